@@ -1,0 +1,145 @@
+"""The DFlash drafter's configuration, read from any published checkpoint generation.
+
+z-lab checkpoints are Qwen3 configs plus DFlash keys. Older ones put `block_size` at the top level, newer ones
+inside `dflash_config`; transformers-5 exports replace `rope_theta`/`rope_scaling` with `rope_parameters`.
+`DFlashConfig.from_dict` accepts all of them; `to_dict` writes the one normalized form our converter emits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .errors import DFlashError
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
+    """Spread the tapped layers evenly from layer 1 to layer L-3, as the reference does."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    num_target_layers: Optional[int] = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    target_layer_ids: Optional[List[int]] = None
+    mask_token_id: Optional[int] = None
+    layer_types: Optional[List[str]] = None
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+    # Gemma-style knobs of newer checkpoints.
+    input_embedding_scale: Optional[float] = None
+    output_multiplier: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    quantization: Optional[Dict[str, int]] = None
+    extra: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_layer_ids is None:
+            if self.num_target_layers is None:
+                raise DFlashError(
+                    "drafter config has neither dflash_config.target_layer_ids nor num_target_layers; "
+                    "add one of them to config.json"
+                )
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DFlashError(
+                f"drafter config lists {len(self.layer_types)} layer_types for {self.num_hidden_layers} layers"
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise DFlashError("drafter config has sliding_attention layers but no sliding_window")
+        if self.block_size < 1:
+            raise DFlashError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, raw: Dict[str, Any]) -> "DFlashConfig":
+        """Build from a z-lab (either generation), speculators, or our own normalized config dict."""
+        raw = dict(raw)
+        if raw.get("speculators_model_type") == "dflash" or "transformer_layer_config" in raw:
+            raw = _flatten_speculators(raw)
+        dflash = dict(raw.get("dflash_config") or {})
+        values: Dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        for name in names:
+            if name in dflash:
+                values[name] = dflash[name]
+            elif name in raw:
+                values[name] = raw[name]
+        rope = raw.get("rope_parameters")
+        if rope:
+            values.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
+            if values.get("rope_scaling") is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+                values["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if values.get("rope_theta") is None:
+            values.pop("rope_theta", None)
+        missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if n not in values]
+        if missing:
+            raise DFlashError(f"drafter config.json lacks {', '.join(missing)}; is this a DFlash drafter?")
+        values.setdefault("num_key_value_heads", values["num_attention_heads"])
+        return cls(**values)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The normalized config our converter writes: every field explicit, DFlash keys in `dflash_config`."""
+        out: Dict[str, Any] = {
+            "model_type": "dflash",
+            "architectures": ["DFlashDraftModel"],
+        }
+        dflash_keys = ("target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier",
+                       "final_logit_softcapping")
+        dflash = {}
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            value = getattr(self, f.name)
+            if f.name in dflash_keys:
+                if value is not None:
+                    dflash[f.name] = value
+            elif value is not None:
+                out[f.name] = value
+        out["dflash_config"] = dflash
+        return out
+
+
+def _flatten_speculators(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """Map the speculators DFlash format onto z-lab keys (aux ids are z-lab ids + 1)."""
+    inner = dict(raw.get("transformer_layer_config") or {})
+    out = {**inner}
+    aux = raw.get("aux_hidden_state_layer_ids")
+    out["dflash_config"] = {
+        "target_layer_ids": [i - 1 for i in aux] if aux is not None else None,
+        "mask_token_id": raw.get("mask_token_id"),
+    }
+    out["dflash_config"] = {k: v for k, v in out["dflash_config"].items() if v is not None}
+    for key in ("block_size", "num_target_layers"):
+        if key in raw:
+            out[key] = raw[key]
+    return out

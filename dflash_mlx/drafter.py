@@ -1,0 +1,153 @@
+"""The DFlash drafter: a few Qwen3 blocks that denoise a whole block of masked tokens in one forward pass.
+
+Each draft layer attends from the block to (a) the fused features of every committed token, kept in a KV cache
+that is only ever appended to, and (b) the block itself, bidirectionally. The drafter owns no embedding and no LM
+head: it borrows the target's (see `bind`). Math: dflash-reference.md section 2.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3
+from mlx_lm.models.cache import KVCache
+
+from .config import DFlashConfig
+from .errors import DFlashError
+
+
+def _qwen3_args(config: DFlashConfig) -> qwen3.ModelArgs:
+    return qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        vocab_size=config.vocab_size,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        head_dim=config.head_dim,
+        tie_word_embeddings=False,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+    )
+
+
+class DraftAttention(qwen3.Attention):
+    """Qwen3 attention whose keys and values cover the cached context, the new context and the block."""
+
+    def __init__(self, config: DFlashConfig, sliding: bool):
+        super().__init__(_qwen3_args(config))
+        self.sliding_window = config.sliding_window if sliding else None
+        # Sliding layers are causal inside the block unless the checkpoint says otherwise.
+        self.block_causal = sliding and config.is_causal is not False
+
+    def append_context(self, ctx: mx.array, cache: KVCache) -> None:
+        """Store K/V of newly committed context features [1, S, H] at their absolute positions."""
+        S = ctx.shape[1]
+        k = self.k_norm(self.k_proj(ctx).reshape(1, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(ctx).reshape(1, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        cache.update_and_fetch(self.rope(k, offset=cache.offset), v)
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        # x: [1, B, H] normed block at positions start..start+B-1, where start = cache.offset.
+        _, B, _ = x.shape
+        start = cache.offset
+        q = self.q_norm(self.q_proj(x).reshape(1, B, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(1, B, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(1, B, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.rope(q, offset=start), self.rope(k, offset=start)
+        ctx_k, ctx_v = cache.keys_and_values()
+        if self.sliding_window is not None:
+            keep = max(start - (self.sliding_window - 1), 0)
+            ctx_k, ctx_v = ctx_k[:, :, keep:], ctx_v[:, :, keep:]
+        keys = mx.concatenate([ctx_k, k], axis=2)
+        values = mx.concatenate([ctx_v, v], axis=2)
+        mask = None
+        if self.block_causal:
+            n_ctx = ctx_k.shape[2]
+            mask = (mx.arange(n_ctx + B)[None] - n_ctx) <= mx.arange(B)[:, None]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, sliding: bool):
+        super().__init__()
+        self.self_attn = DraftAttention(config, sliding)
+        self.mlp = qwen3.MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TargetBinding:
+    """The target's embedding and LM head, as the drafter borrows them (plain object: not a submodule)."""
+
+    def __init__(self, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array]):
+        self.embed = embed
+        self.head = head
+
+
+class DFlashDrafter(nn.Module):
+    """Block-diffusion drafter. Call `bind(target)` before drafting."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        if config.attention_bias:
+            raise DFlashError("drafters with attention_bias=true are not supported")
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(config.num_taps * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = [DraftLayer(config, t == "sliding_attention") for t in config.layer_types]
+        self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.binding: Optional[TargetBinding] = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def bind(self, binding: TargetBinding) -> "DFlashDrafter":
+        self.binding = binding
+        return self
+
+    def make_cache(self) -> List[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def append_context(self, target_hidden: mx.array, cache: List[KVCache]) -> None:
+        """Fuse tapped target features [1, S, n*H] of newly committed tokens and add them to every layer's cache.
+
+        The fusion `hidden_norm(fc(.))` runs once and is shared by all draft layers.
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.append_context(ctx, c)
+
+    def __call__(self, block_ids: mx.array, cache: List[KVCache]) -> mx.array:
+        """Logits [1, B-1, V] for block slots 1..B-1.
+
+        block_ids: [1, B] = [last committed token, MASK x (B-1)]; the block sits right after the committed
+        context held in `cache` (positions offset..offset+B-1). Block K/V are transient: the cache is unchanged.
+        """
+        if self.binding is None:
+            raise RuntimeError("drafter is not bound to a target; call drafter.bind(...) first")
+        cfg = self.config
+        x = self.binding.embed(block_ids)
+        if cfg.input_embedding_scale is not None:
+            x = x * cfg.input_embedding_scale
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, c)
+        logits = self.binding.head(self.norm(x[:, 1:]))
+        if cfg.output_multiplier is not None:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = mx.tanh(logits / cap) * cap
+        return logits
