@@ -16,6 +16,7 @@ from typing import Any, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from .acceptance import GreedyAcceptor
 from .target import TargetModel
 
 
@@ -77,8 +78,9 @@ def dflash_generate_step(
     stop_tokens: Sequence[int] = (),
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
+    acceptor=None,
 ) -> Generator[Cycle, None, None]:
-    """Greedy DFlash decoding.
+    """DFlash decoding (greedy unless another acceptor is given).
 
     Args:
         prompt: 1-D token ids.
@@ -90,6 +92,7 @@ def dflash_generate_step(
         mask_token_id: the drafter's mask id; defaults to `drafter.config.mask_token_id`.
         stop_tokens: generation stops after the first of these is committed.
         state: caches to start from (fresh if omitted).
+        acceptor: the acceptance rule (`acceptance.GreedyAcceptor` by default).
 
     Yields:
         Cycle: the tokens each verify pass commits, in order.
@@ -108,9 +111,10 @@ def dflash_generate_step(
     target.check_rollback_supported(state.target_cache)
     limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
     stops = set(int(t) for t in stop_tokens)
+    acceptor = acceptor or GreedyAcceptor()
 
     last_logits = _prefill(target, drafter, prompt, state, prefill_step_size)
-    first = int(mx.argmax(last_logits).item())
+    first = int(acceptor.first(last_logits).item())
     state.last_token = first
     yield Cycle([first], 0, 1, logits=last_logits[None], is_prefill=True)
     emitted = 1
@@ -126,15 +130,15 @@ def dflash_generate_step(
                 context, state.pending_context = state.pending_context, None
                 drafter.append_context(context, state.draft_cache)
             block_ids = mx.array([[state.last_token] + [mask_token_id] * (block - 1)], dtype=mx.int32)
-            draft = mx.argmax(drafter(block_ids, state.draft_cache)[0], axis=-1).astype(mx.int32)
+            draft_logits = drafter(block_ids, state.draft_cache)[0]
+            draft = acceptor.propose(draft_logits)
             verify_ids = mx.concatenate([head, draft[None]], axis=1)
         else:
+            draft_logits = None
             draft = mx.zeros((0,), dtype=mx.int32)
             verify_ids = head
         logits, hidden = target(verify_ids, state.target_cache)
-        choice = mx.argmax(logits[0], axis=-1).astype(mx.int32)
-        # acc = length of the longest prefix of drafts that equals the target's own choices.
-        acc = mx.cumprod((draft == choice[:-1]).astype(mx.int32)).sum() if block > 1 else mx.array(0, mx.int32)
+        acc, choice = acceptor.verify(draft, draft_logits, logits[0])
         packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, draft])
         mx.async_eval(packed, hidden)
         return _Pending(block, packed, logits[0], hidden, context)

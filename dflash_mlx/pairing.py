@@ -1,0 +1,31 @@
+"""Checks that a drafter fits a target before any token is drafted; each failure is one actionable line."""
+
+from __future__ import annotations
+
+from .config import DFlashConfig
+from .errors import DFlashError
+from .target import TargetModel
+
+
+def check_pair(target: TargetModel, config: DFlashConfig) -> None:
+    if config.hidden_size != target.hidden_size:
+        raise DFlashError(
+            f"drafter hidden size {config.hidden_size} does not match the target's {target.hidden_size}; "
+            "use the drafter published for this target"
+        )
+    if config.vocab_size != target.vocab_size:
+        raise DFlashError(
+            f"drafter vocabulary ({config.vocab_size}) does not match the target's ({target.vocab_size}); "
+            "use the drafter published for this target"
+        )
+    if config.num_target_layers is not None and config.num_target_layers != target.num_layers:
+        raise DFlashError(
+            f"drafter was trained for a {config.num_target_layers}-layer target but this target has "
+            f"{target.num_layers} layers; use the drafter published for this target"
+        )
+    if config.mask_token_id is not None and not 0 <= config.mask_token_id < target.vocab_size:
+        raise DFlashError(
+            f"drafter mask_token_id {config.mask_token_id} is outside the target vocabulary (0..{target.vocab_size - 1})"
+        )
+    # Raises its own clear error for out-of-range layer ids.
+    target.set_taps(config.target_layer_ids)
