@@ -1,0 +1,48 @@
+"""Convert a z-lab DFlash drafter checkpoint (local or on the Hub) into the form dflash-mlx loads fastest.
+
+The output is a directory with a normalized `config.json` (`model_type: "dflash"`, sorted keys) and one
+`model.safetensors` in the chosen dtype, optionally quantized. Converting the same input twice gives
+byte-identical files. Reading and checking is shared with `dflash_mlx.drafter_io.load_drafter`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+from dflash_mlx.drafter_io import (
+    check_quantization,
+    parse_dtype,
+    quantize_drafter,
+    read_drafter,
+    resolve_checkpoint,
+    save_drafter,
+)
+from dflash_mlx.errors import DFlashError
+
+
+def convert_drafter(
+    source: str,
+    out: Union[str, Path],
+    *,
+    dtype: str = "bfloat16",
+    q_bits: Optional[int] = None,
+    q_group_size: int = 64,
+    revision: Optional[str] = None,
+) -> Path:
+    """Convert `source` (a drafter directory or Hub repo id) into `out`; returns the output directory."""
+    target_dtype = parse_dtype(dtype)  # bad flags fail before any download
+    if q_bits is not None:
+        check_quantization(q_bits, q_group_size)
+    path = resolve_checkpoint(source, revision)
+    out = Path(out).expanduser()
+    if out.resolve() == path.resolve():
+        # The source tensors are read lazily from the file we would overwrite.
+        raise DFlashError(f"output directory '{out}' is the source directory; choose another one")
+    drafter = read_drafter(path)
+    if drafter.config.quantization:
+        raise DFlashError(f"'{source}' is already quantized; convert from the original (unquantized) checkpoint")
+    drafter.set_dtype(target_dtype)
+    if q_bits is not None:
+        quantize_drafter(drafter, q_bits, q_group_size)
+    return save_drafter(drafter, out)
