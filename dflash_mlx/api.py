@@ -10,6 +10,7 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
 from .pairing import check_pair
 from .stats import AcceptanceStats
-from .target import TargetModel
+from .target import TargetModel, supported_model_types
+from .target.families import family_for
 
 
 @dataclass
@@ -53,6 +55,15 @@ def _load_target(path_or_repo: str, tokenizer_config: Optional[dict], revision: 
         raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")
     if not local.exists() and (path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1):
         raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
+    if local.exists():
+        # Refuse an unsupported architecture before reading gigabytes of weights.
+        try:
+            model_type = json.loads((local / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError) as e:
+            raise DFlashError(f"target '{path_or_repo}' has an unreadable config.json: {e}") from e
+        if family_for(model_type) is None:
+            raise DFlashError(f"unsupported target architecture '{model_type}'; supported: "
+                              f"{', '.join(supported_model_types())}")
     try:
         return mlx_lm_load(str(local) if local.exists() else path_or_repo, tokenizer_config=tokenizer_config,
                            revision=revision)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
 from .errors import DFlashError
@@ -94,15 +93,21 @@ def main(argv: Optional[list] = None) -> int:
     try:
         app(args=argv, standalone_mode=False)
     except DFlashError as e:
-        typer.echo(f"error: {e}", err=True)
+        # One line, even when a library's message spans many.
+        message = " ".join(str(e).split())
+        typer.echo(f"error: {message if len(message) <= 400 else message[:397] + '...'}", err=True)
         return 2
-    except click.UsageError as e:
-        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+    except typer.TyperException as e:  # usage errors: unknown flag, bad value, missing option
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            typer.echo(ctx.get_help())
+            return 0
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         typer.echo(f"error: {e.format_message()}{hint}", err=True)
         return 2
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         return e.exit_code
-    except click.Abort:
+    except typer.Abort:
         typer.echo("aborted", err=True)
         return 1
     except KeyboardInterrupt:

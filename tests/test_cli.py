@@ -1,0 +1,143 @@
+"""The `dflash-mlx` command line on a tiny offline pair: it generates, and every bad input ends in one clear line."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx.cli import main
+from dflash_mlx.config import DFlashConfig
+from dflash_mlx.demo import make_tiny_pair
+from dflash_mlx.drafter_io import build_drafter, save_drafter
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, drafter = make_tiny_pair(tmp_path_factory.mktemp("pair"))
+    return target, drafter
+
+
+def _drafter_config(drafter_dir) -> dict:
+    return json.loads((drafter_dir / "config.json").read_text())
+
+
+def _variant(tmp_path, pair, **changes):
+    """A random drafter whose config differs from the matching one by `changes`."""
+    raw = _drafter_config(pair[1])
+    raw.update({k: v for k, v in changes.items() if k != "dflash_config"})
+    raw["dflash_config"] = {**raw["dflash_config"], **changes.get("dflash_config", {})}
+    drafter = build_drafter(DFlashConfig.from_dict(raw))
+    mx.eval(drafter.parameters())
+    return save_drafter(drafter, tmp_path / "drafter")
+
+
+def _run(capsys, *argv):
+    capsys.readouterr()  # drop output of the test's own setup (progress bars)
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_one_line_error(code, err, *needles):
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_generate_verbose_prints_speed_and_acceptance(pair, capsys):
+    code, out, err = _run(capsys, "generate", "--model", str(pair[0]), "--draft", str(pair[1]),
+                          "--prompt", "Hello there", "--max-tokens", "10", "--verbose")
+    assert code == 0, err
+    assert "tokens-per-sec" in out
+    assert "Acceptance: tau" in out
+    assert "Peak memory" in out
+
+
+def test_generate_block_size_one_equals_default(pair, capsys):
+    args = ["generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt", "abc", "--max-tokens", "12"]
+    code, plain, _ = _run(capsys, *args, "--block-size", "1")
+    assert code == 0
+    code, drafted, _ = _run(capsys, *args)
+    assert code == 0
+    assert plain == drafted
+
+
+def test_hidden_size_mismatch(pair, tmp_path, capsys):
+    raw = _drafter_config(pair[1])
+    bad = _variant(tmp_path, pair, hidden_size=raw["hidden_size"] * 2, head_dim=raw["head_dim"])
+    code, _, err = _run(capsys, "generate", "--model", str(pair[0]), "--draft", str(bad), "--prompt", "x")
+    _assert_one_line_error(code, err, "hidden size")
+
+
+def test_vocab_mismatch(pair, tmp_path, capsys):
+    raw = _drafter_config(pair[1])
+    bad = _variant(tmp_path, pair, vocab_size=raw["vocab_size"] + 5)
+    code, _, err = _run(capsys, "generate", "--model", str(pair[0]), "--draft", str(bad), "--prompt", "x")
+    _assert_one_line_error(code, err, "vocabulary")
+
+
+def test_target_layer_ids_out_of_range(pair, tmp_path, capsys):
+    bad = _variant(tmp_path, pair, dflash_config={"target_layer_ids": [1, 99]})
+    code, _, err = _run(capsys, "generate", "--model", str(pair[0]), "--draft", str(bad), "--prompt", "x")
+    _assert_one_line_error(code, err, "99")
+
+
+def test_missing_drafter_safetensors(pair, tmp_path, capsys):
+    broken = tmp_path / "drafter"
+    shutil.copytree(pair[1], broken)
+    (broken / "model.safetensors").unlink()
+    code, _, err = _run(capsys, "generate", "--model", str(pair[0]), "--draft", str(broken), "--prompt", "x")
+    _assert_one_line_error(code, err, "safetensors")
+
+
+def test_missing_target_dir(pair, tmp_path, capsys):
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path / "nope"), "--draft", str(pair[1]), "--prompt", "x")
+    _assert_one_line_error(code, err, "not found")
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "no_such_arch"])
+def test_unknown_architecture(pair, tmp_path, capsys, model_type):
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    config = json.loads((target / "config.json").read_text())
+    config["model_type"] = model_type
+    if model_type == "gpt2":
+        config.update(n_ctx=64, n_embd=config["hidden_size"], n_head=config["num_attention_heads"],
+                      n_layer=config["num_hidden_layers"], n_positions=64, layer_norm_epsilon=1e-5)
+    (target / "config.json").write_text(json.dumps(config))
+    code, _, err = _run(capsys, "generate", "--model", str(target), "--draft", str(pair[1]), "--prompt", "x")
+    _assert_one_line_error(code, err)
+    assert "llama" in err or "not supported" in err
+
+
+def test_invalid_flags(pair, capsys):
+    base = ["generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt", "x"]
+    code, _, err = _run(capsys, *base, "--block-size", "0")
+    _assert_one_line_error(code, err, "--block-size")
+    code, _, err = _run(capsys, *base, "--no-such-flag")
+    _assert_one_line_error(code, err, "--no-such-flag")
+    code, _, err = _run(capsys, *base, "--max-tokens", "0")
+    _assert_one_line_error(code, err, "max-tokens")
+
+
+def test_convert_bad_dtype(pair, tmp_path, capsys):
+    code, _, err = _run(capsys, "convert", str(pair[1]), str(tmp_path / "out"), "--dtype", "int3")
+    _assert_one_line_error(code, err, "--dtype")
+
+
+def test_console_script_exit_code_and_help(pair):
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "generate", "--model", str(pair[0]),
+                           "--draft", "/nonexistent/drafter", "--prompt", "x"], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith("error: ")
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0
+    assert "generate" in done.stdout and "convert" in done.stdout
