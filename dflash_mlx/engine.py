@@ -1,7 +1,8 @@
 """The DFlash decoding loop: prefill, then draft a block, verify it in one target pass, keep the matching prefix.
 
 `dflash_generate_step` yields one `Cycle` per verify pass (the first one is the prefill's token). Every committed
-token is the target's own greedy choice given the committed prefix, so the output equals plain greedy decoding.
+token is the target's own greedy choice given the committed prefix, so the output equals plain greedy decoding;
+with a sampling acceptor (`acceptance.py`) it is distributed exactly as sampling the target alone.
 Loop and bookkeeping: dflash-reference.md section 3.
 
 Host/device overlap: each cycle's whole graph (draft, verify, acceptance) is queued with `mx.async_eval`, and the
@@ -54,7 +55,16 @@ class DecodeState:
 
 
 def _prefill(target: TargetModel, drafter, prompt: mx.array, state: DecodeState, step_size: int) -> mx.array:
-    """Run the prompt through the target in chunks, feeding each chunk's features to the drafter's cache."""
+    """Run the prompt through the target in chunks, feeding each chunk's features to the drafter's cache.
+
+    With a `state` from an earlier generation (a later chat turn), the prompt continues it: the last committed
+    token and the features still waiting for the draft cache go in first.
+    """
+    if state.last_token >= 0:
+        prompt = mx.concatenate([mx.array([state.last_token], dtype=prompt.dtype), prompt])
+    if drafter is not None and state.pending_context is not None:
+        drafter.append_context(state.pending_context, state.draft_cache)
+    state.pending_context = None
     logits = None
     n = prompt.shape[0]
     for begin in range(0, n, step_size):
@@ -112,10 +122,14 @@ def dflash_generate_step(
     limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
     stops = set(int(t) for t in stop_tokens)
     acceptor = acceptor or GreedyAcceptor()
+    # Tell the acceptor every token the target has seen (history-dependent logits processors need it).
+    observe = getattr(acceptor, "observe", None) or (lambda tokens: None)
+    observe(prompt)
 
     last_logits = _prefill(target, drafter, prompt, state, prefill_step_size)
     first = int(acceptor.first(last_logits).item())
     state.last_token = first
+    observe([first])
     yield Cycle([first], 0, 1, logits=last_logits[None], is_prefill=True)
     emitted = 1
     if first in stops or emitted >= limit:
@@ -164,6 +178,7 @@ def dflash_generate_step(
                 else mx.concatenate([state.pending_context, committed], axis=1)
             )
             state.last_token = tokens[-1]
+            observe(tokens)
             emitted += len(tokens)
             if stop_at is None and emitted < limit:
                 pending = launch(int(min(block_size, limit - emitted)))
