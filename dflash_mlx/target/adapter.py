@@ -2,7 +2,11 @@
 
 `TargetModel` never replaces or patches the user's layers. It walks `model.layers` itself (exactly as the model's
 own `__call__` does, per `families.py`) and keeps the outputs of the tapped layers. `probe_parity` proves at load
-time that this walk reproduces the model's own logits.
+time that this walk reproduces the model's own logits, and that a rolled-back cache continues like a fresh one.
+
+Rollback: `make_cache` gives every layer a cache whose `trim(n)` drops the newest n tokens exactly: mlx-lm's
+`KVCache` for full attention, `WindowKVCache` (rotating.py) for sliding-window layers, `GatedDeltaCache`
+(hybrid.py) for GatedDeltaNet layers.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import DFlashError
-from .families import Family, family_for, supported_model_types
+from .families import Family, family_for, supported_model_types, text_lm
+from .hybrid import GatedDeltaCache, RecurrentRollback, ReplayRollback
+from .rotating import WindowKVCache
 
 
 def model_type_of(model: nn.Module) -> Optional[str]:
@@ -25,7 +31,8 @@ def model_type_of(model: nn.Module) -> Optional[str]:
 class TargetModel:
     """An mlx-lm causal LM plus the bookkeeping DFlash needs: tapped forward, rollback, embedding and head."""
 
-    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int] = ()):
+    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int] = (),
+                 recurrent_rollback: Optional[RecurrentRollback] = None):
         model_type = model_type_of(model)
         family = family_for(model_type)
         if family is None:
@@ -34,7 +41,11 @@ class TargetModel:
             )
         self.model = model
         self.family: Family = family
-        self.inner = family.inner(model)
+        self.lm = text_lm(model)
+        self.inner = family.inner(self.lm)
+        if getattr(self.inner, "pipeline_size", 1) > 1:
+            raise DFlashError("pipeline-parallel targets are not supported")
+        self.recurrent_rollback = recurrent_rollback or ReplayRollback()
         self.tap_layer_ids: List[int] = []
         self.set_taps(tap_layer_ids)
 
@@ -67,65 +78,90 @@ class TargetModel:
 
     # -- forward ---------------------------------------------------------------------------------------------
     def make_cache(self) -> List[Any]:
-        return make_prompt_cache(self.model)
+        """The model's own caches, with the ones mlx-lm cannot trim swapped for rollback-capable subclasses."""
+        caches = []
+        for c in make_prompt_cache(self.model):
+            if type(c) is RotatingKVCache:
+                c = WindowKVCache.like(c)
+            elif type(c) is ArraysCache and self.family.gated_delta:
+                c = GatedDeltaCache(self.recurrent_rollback)
+            caches.append(c)
+        return caches
 
     def embed(self, ids: mx.array) -> mx.array:
-        return self.family.embed(self.model, self.inner, ids)
+        """The target's input embedding, with its scale (Gemma's sqrt(hidden)) where the model applies one."""
+        return self.family.embed(self.lm, self.inner, ids)
 
     def head(self, h: mx.array) -> mx.array:
-        """Final norm is not included: `h` must already be normed (the drafter applies its own norm)."""
-        return self.family.head(self.model, self.inner, h)
+        """LM head plus the target's final logit soft-cap where it has one (Gemma 4).
+
+        Final norm is not included: `h` must already be normed (the drafter applies its own norm).
+        """
+        return self.family.head(self.lm, self.inner, h)
+
+    @property
+    def final_logit_softcapping(self) -> Optional[float]:
+        """The soft-cap `head` already applies (None if the target has none)."""
+        return getattr(self.lm, "final_logit_softcapping", None)
 
     def __call__(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
         """Logits [1, T, V] and tapped features [1, T, n*H] (output of decoder layer k for each tapped k)."""
-        h = self.embed(ids)
-        if cache is None:
-            cache = [None] * self.num_layers
-        masks = self.family.layer_masks(self.inner, h, cache)
-        taps = {}
-        wanted = set(self.tap_layer_ids)
-        for i, (layer, mask, c) in enumerate(zip(self.inner.layers, masks, cache)):
-            h = self.family.call_layer(layer, h, mask, c)
-            if i in wanted:
-                taps[i] = h
+        h, taps = self.family.forward(self.family, self.lm, self.inner, ids, cache, set(self.tap_layer_ids))
         logits = self.head(self.inner.norm(h))
         feats = [taps[i] for i in self.tap_layer_ids]
         hidden = mx.concatenate(feats, axis=-1) if len(feats) > 1 else (feats[0] if feats else h[..., :0])
         return logits, hidden
 
     def rollback(self, cache: List[Any], num_tokens: int) -> None:
-        """Drop the last `num_tokens` positions from every layer's cache."""
+        """Drop the last `num_tokens` positions from every layer's cache (nothing to do on a full accept).
+
+        Only tokens of the newest write (the last verify block) can be dropped.
+        """
         if num_tokens <= 0:
             return
         for c in cache:
             c.trim(num_tokens)
 
     def check_rollback_supported(self, cache: List[Any]) -> None:
-        stuck = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+        # mlx-lm's RotatingKVCache claims to be trimmable until its window fills, then silently cannot be.
+        stuck = sorted({type(c).__name__ for c in cache if type(c) is RotatingKVCache or not c.is_trimmable()})
         if stuck:
-            raise DFlashError(f"target cache types {stuck} cannot be rolled back; this target is not supported yet")
+            raise DFlashError(
+                f"target cache types {stuck} cannot be rolled back; build the cache with TargetModel.make_cache()"
+                + ("" if self.family.gated_delta or "ArraysCache" not in stuck else
+                   " (recurrent layers of this architecture are not supported)")
+            )
 
     # -- load-time check -------------------------------------------------------------------------------------
-    def probe_parity(self, num_tokens: int = 8) -> float:
-        """Run a short prompt through the model's own call and through our tapped walk; they must agree.
+    def probe_parity(self, num_tokens: int = 8, verify_tokens: int = 4, keep: int = 2) -> float:
+        """Check our tapped walk against the model's own call (on mlx-lm's own caches); they must agree.
 
-        Checks a cached prefill and a one-token decode step. Returns the largest absolute logit difference.
+        Runs a cached prefill, a verify block rolled back to its first `keep` tokens (against the model fed only
+        those), and a one-token step after the rollback. Returns the largest absolute logit difference.
         """
         vocab = self.vocab_size
-        ids = (mx.arange(num_tokens + 1) * 7919 + 11) % vocab
+        n, v = num_tokens, verify_tokens
+        ids = (mx.arange(n + v) * 7919 + 11) % vocab
         ids = ids[None].astype(mx.int32)
-        ours_cache, theirs_cache = self.make_cache(), self.make_cache()
+        ours_cache, theirs_cache = self.make_cache(), make_prompt_cache(self.model)
         worst = 0.0
-        for chunk in (ids[:, :num_tokens], ids[:, num_tokens:]):
-            ours, _ = self(chunk, ours_cache)
-            theirs = self.model(chunk, cache=theirs_cache)
+
+        def compare(ours: mx.array, theirs: mx.array, what: str) -> None:
+            nonlocal worst
             ours, theirs = ours.astype(mx.float32), theirs.astype(mx.float32)
             diff = mx.abs(ours - theirs).max().item()
             scale = max(1.0, mx.abs(theirs).max().item())
             worst = max(worst, diff)
             if not diff <= 1e-3 * scale:
                 raise DFlashError(
-                    f"target '{self.family.name}' parity probe failed: our layer walk differs from the model's own "
-                    f"logits by {diff:.3g}; this mlx-lm version or architecture variant is not supported"
+                    f"target '{self.family.name}' parity probe failed ({what}): our layer walk differs from the "
+                    f"model's own logits by {diff:.3g}; this mlx-lm version or architecture variant is not supported"
                 )
+
+        compare(self(ids[:, :n], ours_cache)[0], self.model(ids[:, :n], cache=theirs_cache), "prefill")
+        verify, _ = self(ids[:, n : n + v], ours_cache)
+        self.rollback(ours_cache, v - keep)
+        compare(verify[:, :keep], self.model(ids[:, n : n + keep], cache=theirs_cache), "verify")
+        step = ids[:, n + keep : n + keep + 1]
+        compare(self(step, ours_cache)[0], self.model(step, cache=theirs_cache), "step after rollback")
         return worst

@@ -1,0 +1,202 @@
+"""Gated DeltaNet layers of hybrid targets (Qwen3.5/3.6, Qwen3-Next) with exact rollback of their state.
+
+A GatedDeltaNet layer keeps a short conv state and a recurrent state; mlx-lm's `ArraysCache` for them cannot be
+trimmed. Our walk runs the layer's math itself, from its own submodules and mlx-lm's functions (`normalize_qk`,
+`gated_delta_update`), so that each write can keep what undoing it needs. Nothing in mlx-lm is patched.
+
+Default scheme, S2 of hybrid-rollback.md (`ReplayRollback`): a write keeps the state it started from and its
+recurrence inputs; dropping its newest n tokens re-runs only the recurrence over the kept prefix from that state,
+and the conv state is a slice of the recorded conv input. Both are bit-exact: the recurrence is sequential per
+step and elementwise in its gates, so a prefix replay computes the same numbers the write did.
+A scheme that needs its own verify kernel (a tape of per-step innovations, S3) subclasses `RecurrentRollback`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+from ..errors import DFlashError
+
+
+@dataclass
+class GDNWrite:
+    """One write to a GatedDeltaNet layer, as a rollback needs it. Shapes are mlx-lm's."""
+
+    conv_state: Optional[mx.array]  # [B, K-1, C] before the write (None: fresh cache)
+    state: Optional[mx.array]  # [B, Hv, Dv, Dk] before the write (None: fresh cache)
+    conv_input: mx.array  # [B, K-1+T, C]: the conv window, then the write's pre-conv q|k|v
+    q: mx.array  # [B, T, Hk, Dk], normalized as gated_delta_update expects
+    k: mx.array  # [B, T, Hk, Dk]
+    v: mx.array  # [B, T, Hv, Dv]
+    a: mx.array  # [B, T, Hv]
+    b: mx.array  # [B, T, Hv]
+    A_log: mx.array
+    dt_bias: mx.array
+    mask: Optional[mx.array]
+    kept: int  # tokens of this write still in the cache
+    use_kernel: bool = True  # the replay must take the same path (Metal kernel or ops) as the write
+    tape: Any = None  # whatever else a strategy's `advance` produced (e.g. per-step innovations)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[1]
+
+
+class RecurrentRollback:
+    """How a GatedDeltaNet write advances the recurrent state, and how a suffix of it is undone.
+
+    `advance` runs during every write (prefill chunk, verify block, decode step); `restore` runs only when a
+    rollback drops tokens. The default pair is `ReplayRollback`.
+    """
+
+    name = "abstract"
+    # Longer writes (prefill chunks) are not recorded: nothing rolls them back, and recording would pin their
+    # activations in memory.
+    max_record_tokens = 256
+
+    def advance(self, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel: bool) -> Tuple[mx.array, mx.array, Any]:
+        """Returns (y [B, T, Hv, Dv], state after the write, tape kept in the write's record)."""
+        raise NotImplementedError
+
+    def restore(self, write: GDNWrite, keep: int) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        """(conv state, recurrent state) after only the first `keep` tokens of `write` (0 <= keep < T)."""
+        raise NotImplementedError
+
+
+class ReplayRollback(RecurrentRollback):
+    """S2: re-run mlx-lm's `gated_delta_update` (its Metal kernel where present) on the kept prefix."""
+
+    name = "replay"
+
+    def advance(self, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel):
+        y, state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel)
+        return y, state, None
+
+    def restore(self, write: GDNWrite, keep: int):
+        if keep == 0:
+            return write.conv_state, write.state
+        w = write
+        mask = None if w.mask is None else w.mask[:, :keep]
+        _, state = gated_delta_update(w.q[:, :keep], w.k[:, :keep], w.v[:, :keep], w.a[:, :keep], w.b[:, :keep],
+                                      w.A_log, w.dt_bias, w.state, mask, use_kernel=w.use_kernel)
+        # The conv window after `keep` tokens: the K-1 inputs ending at token keep-1.
+        n_keep = w.conv_input.shape[1] - w.num_tokens
+        return mx.contiguous(w.conv_input[:, keep : keep + n_keep]), state
+
+
+class GatedDeltaCache(ArraysCache):
+    """mlx-lm's two-slot `ArraysCache` (conv state, recurrent state) plus the record of its newest write.
+
+    `trim(n)` drops the newest n tokens of that write exactly, so the cache is trimmable like a KV cache. It works
+    with mlx-lm's own model call too (the call just does not record, and a later trim says so).
+    """
+
+    def __init__(self, rollback: Optional[RecurrentRollback] = None):
+        super().__init__(size=2)
+        self.rollback = rollback or ReplayRollback()
+        self.last_write: Optional[GDNWrite] = None
+        self._after: Any = None  # the state array the record belongs to
+
+    def record(self, write: Optional[GDNWrite]) -> None:
+        self.last_write = write
+        self._after = self.cache[1]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        w = self.last_write
+        if w is None or self.cache[1] is not self._after:
+            raise DFlashError(
+                "cannot roll back a GatedDeltaNet cache that was last written without a record (a long prefill chunk "
+                "or mlx-lm's own model call); run verify blocks through the TargetModel"
+            )
+        if n > w.kept:
+            raise DFlashError(f"cannot roll back {n} tokens: the newest write to this GatedDeltaNet cache kept {w.kept}")
+        keep = w.kept - n
+        self.cache[0], self.cache[1] = self.rollback.restore(w, keep)
+        w.kept = keep
+        self._after = self.cache[1]
+        return n
+
+
+def _project_qwen3_5(attn: nn.Module, x: mx.array):
+    B, S, _ = x.shape
+    qkv = attn.in_proj_qkv(x)
+    z = attn.in_proj_z(x).reshape(B, S, attn.num_v_heads, attn.head_v_dim)
+    return qkv, z, attn.in_proj_b(x), attn.in_proj_a(x)
+
+
+def _project_qwen3_next(attn: nn.Module, x: mx.array):
+    B, S, _ = x.shape
+    q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x), attn.in_proj_ba(x))
+    qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+    return qkv, z, b, a
+
+
+_DEFAULT_ROLLBACK = ReplayRollback()
+
+
+def gated_delta_net(attn: nn.Module, x: mx.array, mask: Optional[mx.array], cache: Optional[Any]) -> mx.array:
+    """mlx-lm's GatedDeltaNet forward (qwen3_5 and qwen3_next layouts) that records each cached write."""
+    if getattr(attn, "sharding_group", None) is not None:
+        raise DFlashError("tensor-parallel (sharded) hybrid targets are not supported")
+    B, S, _ = x.shape
+    project = _project_qwen3_next if "in_proj_qkvz" in attn else _project_qwen3_5
+    qkv, z, b, a = project(attn, x)
+
+    n_keep = attn.conv_kernel_size - 1
+    prev_conv = cache[0] if cache is not None else None
+    conv_state = prev_conv if prev_conv is not None else mx.zeros((B, n_keep, attn.conv_dim), dtype=x.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    if cache is not None:
+        if cache.lengths is not None:
+            raise DFlashError("batched (length-padded) GatedDeltaNet caches are not supported")
+        cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    conv_out = nn.silu(attn.conv1d(conv_input))
+
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
+            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
+        )
+    ]
+    prev_state = cache[1] if cache is not None else None
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+
+    rollback = cache.rollback if isinstance(cache, GatedDeltaCache) else _DEFAULT_ROLLBACK
+    out, state, tape = rollback.advance(q, k, v, a, b, attn.A_log, attn.dt_bias, prev_state, mask,
+                                        use_kernel=not attn.training)
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+        if isinstance(cache, GatedDeltaCache):
+            write = None
+            if S <= rollback.max_record_tokens:
+                write = GDNWrite(prev_conv, prev_state, conv_input, q, k, v, a, b, attn.A_log, attn.dt_bias,
+                                 mask, kept=S, use_kernel=not attn.training, tape=tape)
+            cache.record(write)
+
+    out = attn.norm(out, z)
+    return attn.out_proj(out.reshape(B, S, -1))
+
+
+def hybrid_call_layer(layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.array:
+    """A qwen3_5 / qwen3_next decoder layer; attention layers are mlx-lm's own call."""
+    if not layer.is_linear:
+        return layer(h, mask, cache)
+    r = gated_delta_net(layer.linear_attn, layer.input_layernorm(h), mask, cache)
+    h = h + r
+    return h + layer.mlp(layer.post_attention_layernorm(h))
