@@ -1,0 +1,77 @@
+"""Short model names (`Qwen3.5-9B`, `gpt-oss-20b`, ...) resolved to an MLX target repo and its DFlash drafter.
+
+The table itself is data: `registry.json` next to this module. `--quant` picks among the MLX conversions of a
+target; each entry names a sensible default for its size.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Dict, List, Optional
+
+from .errors import DFlashError
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    name: str
+    targets: Dict[str, str]  # quant -> MLX repo id
+    default_quant: str
+    drafter: str  # z-lab repo id
+    thinking: bool = False
+    upstream: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    name: str
+    target: str
+    drafter: str
+    quant: str
+    thinking: bool
+
+
+@lru_cache(maxsize=1)
+def entries() -> Dict[str, RegistryEntry]:
+    raw = json.loads(resources.files("dflash_mlx").joinpath("registry.json").read_text())
+    return {name: RegistryEntry(name=name, **spec) for name, spec in raw["models"].items()}
+
+
+def names() -> List[str]:
+    return list(entries())
+
+
+def find(name: str) -> Optional[RegistryEntry]:
+    """Exact or case-insensitive match; None when `name` is not a short name."""
+    table = entries()
+    if name in table:
+        return table[name]
+    lowered = {k.lower(): v for k, v in table.items()}
+    return lowered.get(name.lower())
+
+
+def suggest(name: str, n: int = 3) -> List[str]:
+    lowered = {k.lower(): k for k in entries()}
+    return [lowered[m] for m in difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.5)]
+
+
+def resolve(name: str, quant: Optional[str] = None) -> Resolved:
+    """Resolve a short name to repos, or raise a DFlashError that suggests close names."""
+    entry = find(name)
+    if entry is None:
+        close = suggest(name)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; run 'dflash-mlx models' to list them"
+        raise DFlashError(f"'{name}' is not a known model name{hint}")
+    quant = quant or entry.default_quant
+    if quant not in entry.targets:
+        raise DFlashError(f"{entry.name} has no '{quant}' conversion; choose --quant from {', '.join(entry.targets)}")
+    return Resolved(entry.name, entry.targets[quant], entry.drafter, quant, entry.thinking)
+
+
+def looks_like_short_name(model: str) -> bool:
+    """A registry name has no slash and is not an existing path."""
+    return "/" not in model and "\\" not in model and not model.startswith((".", "~"))
