@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -86,6 +86,61 @@ def convert(
     path = convert_drafter(source, out, dtype=dtypes[dtype], q_bits=q_bits if quantize else None,
                            q_group_size=q_group_size, revision=revision)
     typer.echo(f"wrote {path}")
+
+
+def _int_list(values: Optional[List[str]], flag: str) -> List[int]:
+    """Repeated and/or comma-separated integers: --block-size 4 --block-size 8,16."""
+    try:
+        return [int(v) for value in values or [] for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise DFlashError(f"{flag} takes integers (repeat the flag or separate with commas), got {values}") from None
+
+
+@app.command()
+def bench(
+    model: str = typer.Option(..., "--model", "-m", help="Target: a local mlx-lm model dir, hub repo id or offline "
+                              "model name."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash drafter for method (c)."),
+    ar_draft: Optional[str] = typer.Option(None, "--ar-draft", help="Autoregressive draft model for mlx-lm's "
+                                           "speculative decoding, method (b)."),
+    oracle: bool = typer.Option(False, "--oracle", help="Method (d): DFlash with the target's own greedy "
+                                "continuation as draft (the ceiling of the machinery)."),
+    prompts: str = typer.Option("humaneval", "--prompts", help="humaneval, mtbench, or a .jsonl file with a "
+                                "'prompt', 'text' or 'turns' field."),
+    num_prompts: int = typer.Option(10, "--num-prompts", help="Prompts to run (the first N)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per prompt (fewer at EOS)."),
+    block_size: Optional[List[str]] = typer.Option(None, "--block-size", help="DFlash block sizes, repeated or "
+                                                   "comma-separated (default: the drafter's, else 16)."),
+    num_draft: Optional[List[str]] = typer.Option(None, "--num-draft", help="Draft tokens per pass for (b), "
+                                                  "repeated or comma-separated (default 3)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method (0: greedy)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of prompt i is seed + i, the same for every method."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write bench.json and bench.png here."),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed prompts as raw text."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-tokens tokens."),
+    no_profile: bool = typer.Option(False, "--no-profile", help="Skip the extra synced run that splits DFlash time "
+                                    "into draft / verify / rollback / host."),
+    verify_prompts: int = typer.Option(3, "--verify-prompts", help="Prompts on which to measure the k-token verify "
+                                       "cost (0: skip)."),
+):
+    """Benchmark DFlash against mlx-lm decoding: same target, weights and prompts, methods alternated."""
+    from .bench import BenchConfig, format_table, run_bench
+
+    config = BenchConfig(
+        model=model, draft=draft, ar_draft=ar_draft, oracle=oracle, prompts=prompts, num_prompts=num_prompts,
+        max_tokens=max_tokens, block_sizes=_int_list(block_size, "--block-size"),
+        num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
+        out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
+        profile=not no_profile, verify_prompts=verify_prompts)
+    report = run_bench(config)
+    typer.echo(format_table(report))
+    for kind, path in report.get("files", {}).items():
+        typer.echo(f"wrote {path}")
+
+
+from .models import models_app  # noqa: E402  (light: mlx loads only when a model is converted)
+
+app.add_typer(models_app, name="models")
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -89,6 +89,7 @@ def dflash_generate_step(
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
     acceptor=None,
+    profiler=None,
 ) -> Generator[Cycle, None, None]:
     """DFlash decoding (greedy unless another acceptor is given).
 
@@ -103,6 +104,9 @@ def dflash_generate_step(
         stop_tokens: generation stops after the first of these is committed.
         state: caches to start from (fresh if omitted).
         acceptor: the acceptance rule (`acceptance.GreedyAcceptor` by default).
+        profiler: for benchmarks only: an object whose `mark(phase, *arrays)` is called at the end of each phase
+            ("prefill", then per cycle "host", "draft", "verify", "host", "rollback") with the arrays to evaluate
+            there; the extra syncs slow decoding (see `bench.methods.PhaseProfiler`).
 
     Yields:
         Cycle: the tokens each verify pass commits, in order.
@@ -130,6 +134,8 @@ def dflash_generate_step(
     first = int(acceptor.first(last_logits).item())
     state.last_token = first
     observe([first])
+    if profiler is not None:
+        profiler.mark("prefill")
     yield Cycle([first], 0, 1, logits=last_logits[None], is_prefill=True)
     emitted = 1
     if first in stops or emitted >= limit:
@@ -137,6 +143,8 @@ def dflash_generate_step(
 
     def launch(block: int) -> _Pending:
         # Build draft + verify + acceptance for one cycle and queue it on the device.
+        if profiler is not None:
+            profiler.mark("host")
         context = None
         head = mx.array([[state.last_token]], dtype=mx.int32)
         if block > 1:
@@ -146,6 +154,8 @@ def dflash_generate_step(
             block_ids = mx.array([[state.last_token] + [mask_token_id] * (block - 1)], dtype=mx.int32)
             draft_logits = drafter(block_ids, state.draft_cache)[0]
             draft = acceptor.propose(draft_logits)
+            if profiler is not None:
+                profiler.mark("draft", draft)
             verify_ids = mx.concatenate([head, draft[None]], axis=1)
         else:
             draft_logits = None
@@ -154,6 +164,8 @@ def dflash_generate_step(
         logits, hidden = target(verify_ids, state.target_cache)
         acc, choice = acceptor.verify(draft, draft_logits, logits[0])
         packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, draft])
+        if profiler is not None:
+            profiler.mark("verify", packed, hidden)
         mx.async_eval(packed, hidden)
         return _Pending(block, packed, logits[0], hidden, context)
 
@@ -163,6 +175,8 @@ def dflash_generate_step(
         while pending is not None:
             cur, pending = pending, None
             values = cur.packed.tolist()  # the cycle's one host sync
+            if profiler is not None:
+                profiler.mark("host")
             acc, choice = values[0], values[1 : 1 + cur.block]
             tokens = values[1 + cur.block : 1 + cur.block + acc] + [choice[acc]]
             stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
@@ -172,6 +186,8 @@ def dflash_generate_step(
             # block's slot 0, so it is not in the cache yet).
             keep = len(tokens)
             target.rollback(state.target_cache, cur.block - keep)
+            if profiler is not None:
+                profiler.mark("rollback", [c.state for c in state.target_cache])
             committed = cur.hidden[:, :keep]
             state.pending_context = (
                 committed if state.pending_context is None

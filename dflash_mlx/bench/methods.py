@@ -1,0 +1,244 @@
+"""The decoding methods the benchmark compares, each timed the same way on the same prompt.
+
+(a) `PlainMethod`: mlx-lm's `generate_step`. (b) `SpeculativeMethod`: mlx-lm's `speculative_generate_step` with an
+autoregressive draft model. (c) `DFlashMethod`: our engine with a DFlash drafter. (d) the same with the
+`OracleDrafter` fed (a)'s output: every block is accepted, the ceiling of the machinery.
+
+Timing: every method first caches the prompt minus its last token (untimed), then decodes; decode time runs from
+the call that feeds the last prompt token to the moment the last new token is known, so it covers exactly the N
+new tokens (prefill excluded) for every method alike, however many tokens its first pass commits.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from ..acceptance import GreedyAcceptor
+from ..engine import DecodeState, dflash_generate_step
+from ..oracle import OracleDrafter
+from ..target import TargetModel
+
+PHASES = ("draft", "verify", "rollback", "host")
+PREFILL_STEP = 2048
+
+# One target pass as the benchmark sees it: (tokens committed, drafts accepted, tokens verified); tokens verified
+# is 0 for a pass that is no verify pass (DFlash's first token, from feeding the last prompt token).
+Chunk = Tuple[List[int], int, int]
+
+
+class PhaseProfiler:
+    """Wall time per phase of a DFlash run, through the engine's `profiler` hook.
+
+    The engine calls `mark(phase, *arrays)` at the end of each phase; the arrays are evaluated first, so the time
+    since the previous mark is that phase's device and host work. Forcing these syncs makes the profiled run
+    slower than an unprofiled one; the benchmark times them separately.
+    """
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._last: Optional[float] = None
+
+    def mark(self, phase: str, *arrays) -> None:
+        if arrays:
+            mx.eval(*arrays)
+        now = time.perf_counter()
+        if self._last is not None and phase in self.seconds:
+            self.seconds[phase] += now - self._last
+        self._last = now  # the "prefill" mark only starts the clock
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+@dataclass
+class RunResult:
+    tokens: List[int]
+    seconds: float  # decode time (prefill excluded)
+    cycles: List[Tuple[int, int]] = field(default_factory=list)  # (accepted, block) per verify pass
+    passes: int = 0  # target passes during the decode, verify passes or not
+    peak_memory: int = 0  # bytes, mx.get_peak_memory over prefill + decode
+    phases: Optional[Dict[str, float]] = None  # seconds per phase, profiled runs only
+
+
+def _prefill_mlx_lm(model: nn.Module, cache: List, ids: Sequence[int]) -> None:
+    for begin in range(0, len(ids), PREFILL_STEP):
+        model(mx.array(ids[begin : begin + PREFILL_STEP], dtype=mx.int32)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+class Method:
+    """One decoding method; subclasses turn a prompt into a stream of verify-pass chunks."""
+
+    kind = ""
+
+    def __init__(self, name: str, block: int = 1):
+        self.name = name
+        self.block = block  # tokens verified per target pass (1 for plain decoding)
+
+    def start(self, ids: List[int], max_tokens: int, stops: Sequence[int], reference: Optional[List[int]],
+              profiler: Optional[PhaseProfiler], seed: Optional[int]) -> Iterator[Chunk]:
+        raise NotImplementedError
+
+    def run(self, ids: List[int], max_tokens: int, stops: Sequence[int] = (), reference: Optional[List[int]] = None,
+            seed: Optional[int] = None, profile: bool = False) -> RunResult:
+        """Decode `max_tokens` tokens after `ids` (fewer at a stop token) and time the decode."""
+        mx.synchronize()
+        mx.reset_peak_memory()
+        if seed is not None:
+            mx.random.seed(seed)
+        profiler = PhaseProfiler() if profile else None
+        stop_set = set(stops)
+        tokens: List[int] = []
+        cycles: List[Tuple[int, int]] = []
+        passes = 0
+        chunks = self.start(ids, max_tokens, stops, reference, profiler, seed)
+        tic = time.perf_counter()
+        try:
+            for new, accepted, block in chunks:
+                tokens.extend(new)
+                passes += 1
+                if block > 0:
+                    cycles.append((accepted, block))
+                hit = next((i for i, t in enumerate(tokens) if t in stop_set), None)
+                if hit is not None or len(tokens) >= max_tokens:
+                    break
+            seconds = time.perf_counter() - tic
+        finally:
+            close = getattr(chunks, "close", None)
+            if close:
+                close()
+            mx.synchronize()  # work a generator queued ahead must not leak into the next method's time
+        stop = next((i for i, t in enumerate(tokens) if t in stop_set), None)
+        tokens = tokens[: stop + 1] if stop is not None else tokens[:max_tokens]
+        return RunResult(tokens, seconds, cycles, passes, mx.get_peak_memory(),
+                         dict(profiler.seconds) if profiler else None)
+
+
+class PlainMethod(Method):
+    """(a) mlx-lm plain decoding: one target forward per token."""
+
+    kind = "mlx-lm"
+
+    def __init__(self, model: nn.Module, temp: float = 0.0, name: str = "mlx-lm"):
+        super().__init__(name, 1)
+        self.model, self.temp = model, temp
+
+    def start(self, ids, max_tokens, stops, reference, profiler, seed):
+        cache = make_prompt_cache(self.model)
+        _prefill_mlx_lm(self.model, cache, ids[:-1])
+        steps = generate_step(mx.array(ids[-1:], dtype=mx.int32), self.model, max_tokens=max_tokens,
+                              sampler=make_sampler(temp=self.temp), prompt_cache=cache)
+        return (([int(token)], 0, 1) for token, _ in steps)
+
+
+class SpeculativeMethod(Method):
+    """(b) mlx-lm speculative decoding with an autoregressive draft model proposing `num_draft` tokens."""
+
+    kind = "mlx-lm-spec"
+
+    def __init__(self, model: nn.Module, draft_model: nn.Module, num_draft: int, temp: float = 0.0):
+        super().__init__(f"mlx-lm spec k={num_draft}", num_draft + 1)
+        self.model, self.draft_model, self.num_draft, self.temp = model, draft_model, num_draft, temp
+
+    def start(self, ids, max_tokens, stops, reference, profiler, seed):
+        target_cache, draft_cache = make_prompt_cache(self.model), make_prompt_cache(self.draft_model)
+        _prefill_mlx_lm(self.model, target_cache, ids[:-1])
+        _prefill_mlx_lm(self.draft_model, draft_cache, ids[:-1])
+        steps = speculative_generate_step(
+            mx.array(ids[-1:], dtype=mx.int32), self.model, self.draft_model, num_draft_tokens=self.num_draft,
+            max_tokens=max_tokens, sampler=make_sampler(temp=self.temp), prompt_cache=target_cache + draft_cache)
+        return self._passes(steps)
+
+    def _passes(self, steps) -> Iterator[Chunk]:
+        # mlx-lm yields token by token, but a pass's tokens all become known at its one sync; each pass ends with
+        # the target's own token (from_draft False) unless max_tokens cuts it short.
+        tokens: List[int] = []
+        try:
+            for token, _, from_draft in steps:
+                tokens.append(int(token))
+                if not from_draft:
+                    yield tokens, len(tokens) - 1, self.block
+                    tokens = []
+            if tokens:
+                yield tokens, len(tokens) - 1, self.block
+        finally:
+            steps.close()
+
+
+class DFlashMethod(Method):
+    """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None."""
+
+    def __init__(self, target: TargetModel, drafter, block: int, temp: float = 0.0,
+                 mask_token_id: Optional[int] = None):
+        self.oracle = drafter is None
+        self.kind = "oracle" if self.oracle else "dflash"
+        super().__init__(f"{'oracle' if self.oracle else 'dflash'} B={block}", block)
+        self.target, self.drafter, self.temp = target, drafter, temp
+        self.mask_token_id = mask_token_id
+
+    def start(self, ids, max_tokens, stops, reference, profiler, seed):
+        drafter = self.drafter
+        if self.oracle:
+            if reference is None:
+                raise ValueError("the oracle drafter needs the reference output of plain decoding")
+            drafter = OracleDrafter(list(ids) + list(reference), self.target.vocab_size, self.block,
+                                    self.mask_token_id or 0)
+        state = DecodeState(self.target.make_cache(), drafter.make_cache())
+        for begin in range(0, len(ids) - 1, PREFILL_STEP):
+            chunk = mx.array(ids[begin : min(begin + PREFILL_STEP, len(ids) - 1)], dtype=mx.int32)[None]
+            _, hidden = self.target(chunk, state.target_cache)
+            drafter.append_context(hidden, state.draft_cache)
+            mx.eval([c.state for c in state.target_cache], [c.state for c in state.draft_cache])
+        acceptor = GreedyAcceptor() if self.temp == 0 else _sampling_acceptor(self.temp, seed)
+        cycles = dflash_generate_step(mx.array(ids[-1:], dtype=mx.int32), self.target, drafter,
+                                      max_tokens=max_tokens, block_size=self.block, mask_token_id=self.mask_token_id,
+                                      stop_tokens=stops, state=state, acceptor=acceptor, profiler=profiler)
+        return self._passes(cycles)
+
+    @staticmethod
+    def _passes(cycles) -> Iterator[Chunk]:
+        try:
+            for c in cycles:
+                # The prefill's token is not a verify pass of the decode loop.
+                yield c.tokens, c.accepted, 0 if c.is_prefill else c.block_size
+        finally:
+            cycles.close()
+
+
+def _sampling_acceptor(temp: float, seed: Optional[int]):
+    from ..sampling import make_acceptor  # lossless rejection sampling at temperature `temp`
+
+    return make_acceptor(temp=temp, seed=seed)
+
+
+def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: Sequence[int],
+                 repeats: int = 5) -> Dict[int, float]:
+    """Median seconds of one target forward over k tokens at the context `ids`, for each k (rolled back after).
+
+    The k values take turns within each repeat, so a change in the machine's load hits them alike.
+    """
+    cache = make_prompt_cache(model)
+    _prefill_mlx_lm(model, cache, ids)
+    ks = sorted(set(ks))
+    feed = list(feed) or [int(ids[-1])]
+    feed = (feed * (ks[-1] // len(feed) + 1))[: ks[-1]]
+    times: Dict[int, List[float]] = {k: [] for k in ks}
+    for r in range(repeats + 1):
+        for k in ks:
+            x = mx.array(feed[:k], dtype=mx.int32)[None]
+            tic = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            if r:  # the first round is a warm-up
+                times[k].append(time.perf_counter() - tic)
+            trim_prompt_cache(cache, k)
+    return {k: statistics.median(t) for k, t in times.items()}

@@ -1,0 +1,172 @@
+"""One benchmark run: load the models once, then decode every prompt with every method, in rotating order.
+
+Rotation: on prompt i the methods start at the i-th one (the oracle always runs right after plain decoding, whose
+output it proposes), so slow drift of the machine (thermals, a neighbour's load) hits every method alike.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from ..errors import DFlashError
+from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, verify_costs
+from .prompts import encode_prompt, load_prompts
+from .report import summarize, write_chart, write_json
+
+VERIFY_KS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class BenchConfig:
+    """What `dflash-mlx bench` runs; see `dflash-mlx bench --help` for each field."""
+
+    model: str
+    draft: Optional[str] = None
+    ar_draft: Optional[str] = None
+    oracle: bool = False
+    prompts: str = "humaneval"
+    num_prompts: Optional[int] = 10
+    max_tokens: int = 128
+    block_sizes: List[int] = field(default_factory=list)  # empty: the drafter's (16 for the oracle alone)
+    num_draft_tokens: List[int] = field(default_factory=lambda: [3])
+    temp: float = 0.0
+    seed: int = 0
+    out: Optional[str] = None
+    chat_template: bool = True
+    ignore_eos: bool = False
+    profile: bool = True  # an extra, synced run of each DFlash method for the per-phase times
+    verify_prompts: int = 3  # prompts on which the k-token verify cost is measured
+    warmup: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise DFlashError(f"--max-tokens must be positive, got {self.max_tokens}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise DFlashError(f"--num-prompts must be positive, got {self.num_prompts}")
+        if any(b < 1 for b in self.block_sizes) or any(k < 1 for k in self.num_draft_tokens):
+            raise DFlashError("--block-size and --num-draft values must be positive")
+        if not self.temp >= 0:
+            raise DFlashError(f"--temp must be >= 0, got {self.temp}")
+        if self.draft is None and self.ar_draft is None and not self.oracle:
+            raise DFlashError("nothing to compare with plain decoding: give --draft, --ar-draft or --oracle")
+
+
+def _resolve(name: str) -> str:
+    """A local path as is; a bare registry name through `models.ensure_offline_model` when that exists."""
+    if Path(name).expanduser().exists() or "/" in name:
+        return name
+    try:
+        from ..models import ensure_offline_model
+    except ImportError:
+        return name
+    return str(ensure_offline_model(name))
+
+
+def _load_mlx_lm(name: str, what: str):
+    from mlx_lm.utils import load
+
+    try:
+        return load(_resolve(name))
+    except Exception as e:  # mlx-lm and the hub raise many types
+        raise DFlashError(f"could not load {what} '{name}': {type(e).__name__}: {e}") from e
+
+
+def _environment() -> Dict[str, str]:
+    import mlx_lm
+
+    try:
+        maps = Path("/proc/self/maps").read_text()
+        blas = "openblas" if "openblas" in maps else "bundled"
+    except OSError:
+        blas = "unknown"
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device()),
+            "cpu_blas": blas, "python": sys.version.split()[0], "cpu_count": str(os.cpu_count())}
+
+
+def _build_methods(cfg: BenchConfig, model):
+    from ..api import prepare
+    from ..drafter_io import load_drafter
+    from ..target import TargetModel
+
+    plain = PlainMethod(model, cfg.temp)
+    drafter = load_drafter(cfg.draft) if cfg.draft else None
+    blocks = cfg.block_sizes or [drafter.block_size if drafter is not None else 16]
+    others: List[Method] = []
+    if cfg.ar_draft:
+        ar_model, _ = _load_mlx_lm(cfg.ar_draft, "AR draft")
+        others += [SpeculativeMethod(model, ar_model, k, cfg.temp) for k in cfg.num_draft_tokens]
+    if drafter is not None:
+        target = prepare(model, drafter, probe=True)
+        others += [DFlashMethod(target, drafter, b, cfg.temp) for b in blocks]
+    oracles: List[Method] = []
+    if cfg.oracle:
+        bare = TargetModel(model)  # no taps: the oracle reads no features
+        mask = drafter.config.mask_token_id if drafter is not None else None
+        oracles = [DFlashMethod(bare, None, b, cfg.temp, mask_token_id=mask) for b in blocks]
+    return plain, oracles, others, blocks
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark; return the report (also written under `cfg.out` when given)."""
+    from ..api import _load_target
+
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
+    model, tokenizer = _load_target(_resolve(cfg.model), None, None)
+    plain, oracles, others, blocks = _build_methods(cfg, model)
+    units: List[List[Method]] = [[plain] + oracles] + [[m] for m in others]
+    methods = [m for unit in units for m in unit]
+    stops = [] if cfg.ignore_eos else sorted(tokenizer.eos_token_ids)
+    encoded = [encode_prompt(tokenizer, p.text, cfg.chat_template) for p in prompts]
+    ks = sorted(set(VERIFY_KS) | set(blocks) | {m.block for m in others})
+
+    if cfg.warmup:  # first calls pay for graph set-up and allocation; keep them out of the numbers
+        warm = min(8, cfg.max_tokens)
+        reference = plain.run(encoded[0], warm, stops, seed=cfg.seed).tokens
+        for m in methods[1:]:
+            m.run(encoded[0], warm, stops, reference, seed=cfg.seed)
+
+    records = []
+    bar = range(len(prompts))
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(bar, desc="bench", unit="prompt", file=sys.stderr)
+    for i in bar:
+        ids, seed = encoded[i], cfg.seed + i
+        order = [m for unit in units[i % len(units):] + units[: i % len(units)] for m in unit]
+        runs = {}
+        for m in order:
+            reference = runs[plain.name].tokens if m.kind == "oracle" else None
+            runs[m.name] = m.run(ids, cfg.max_tokens, stops, reference, seed=seed)
+        profiled = {}
+        if cfg.profile:
+            for m in methods:
+                if m.kind in ("dflash", "oracle"):
+                    profiled[m.name] = m.run(ids, cfg.max_tokens, stops, runs[plain.name].tokens, seed=seed,
+                                             profile=True)
+        costs = None
+        if i < cfg.verify_prompts:
+            costs = verify_costs(model, ids, runs[plain.name].tokens, ks)
+        records.append(dict(prompt=prompts[i], ids=ids, runs=runs, profiled=profiled, verify=costs))
+
+    report = summarize(methods, plain.name, records, greedy=cfg.temp == 0)
+    report["config"] = {**asdict(cfg), "block_sizes": blocks}
+    report["environment"] = _environment()
+    if cfg.out:
+        out = Path(cfg.out).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        report["files"] = {"json": str(out / "bench.json")}
+        chart = write_chart(report, out / "bench.png")
+        if chart:
+            report["files"]["png"] = str(chart)
+        else:
+            report["notes"].append("matplotlib is not installed (pip install 'dflash-mlx[bench]'): no PNG chart")
+        write_json(report, out / "bench.json")
+    return report
