@@ -65,6 +65,9 @@ def test_wheel_contains_subpackages_and_kernel_sources(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"dflash_mlx/convert/{p.name}" for p in (REPO / "convert").glob("*.py")}
     expected |= {f"dflash_mlx/metal/{p.name}" for p in (REPO / "metal").iterdir() if p.suffix in (".py", ".metal", ".h")}
+    # Every module and data file of the package itself, subpackages included.
+    expected |= {f"dflash_mlx/{p.relative_to(REPO / 'dflash_mlx').as_posix()}"
+                 for p in (REPO / "dflash_mlx").rglob("*") if p.suffix in (".py", ".json")}
     assert "dflash_mlx/metal/dflash_common.h" in expected
     assert expected <= names, f"missing from wheel: {sorted(expected - names)}"
     assert not any(n.startswith(("convert/", "metal/")) for n in names), "top-level convert/ or metal/ leaked"
