@@ -66,17 +66,35 @@ def generate(
 
 @app.command()
 def convert(
-    source: str = typer.Argument(..., help="z-lab DFlash drafter: local dir or hub repo id."),
-    out: Path = typer.Argument(..., help="Output directory for the MLX drafter."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    source: Optional[str] = typer.Argument(None, help="z-lab DFlash drafter: local dir or hub repo id "
+                                           "(omit with --gguf / --target)."),
+    out: Optional[Path] = typer.Argument(None, help="Output directory."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Instead: convert this GGUF file into an mlx-lm "
+                                        "target model directory (llama, qwen2, qwen3, gemma3)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Instead: quantize (or cast) this safetensors "
+                                         "target, a local dir or hub repo, with mlx-lm's converter."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 for drafters, "
+                                        "fp32 for --gguf, the source's own for --target)."),
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the drafter's linear layers."),
-    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantizing: 4 or 8."),
+    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Bits per weight: 4 or 8 (default 4 with "
+                                         "--quantize; with --gguf / --target it alone turns quantization on)."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of the source."),
 ):
-    """Convert a PyTorch DFlash drafter (z-lab format) into an MLX drafter directory."""
+    """Convert a DFlash drafter (z-lab format), a GGUF model (--gguf) or a safetensors target (--target)."""
+    if gguf is not None or target is not None:
+        from .convert.target import convert_model_command
+
+        path = convert_model_command(source, out, gguf=gguf, target=target, dtype=dtype, quantize=quantize,
+                                     q_bits=q_bits, q_group_size=q_group_size, revision=revision)
+        typer.echo(f"wrote {path}")
+        return
     from .convert.drafter import convert_drafter
 
+    if source is None or out is None:
+        raise DFlashError("convert needs SOURCE and OUT (or --gguf FILE OUT, or --target DIR_OR_REPO OUT)")
+    dtype = dtype or "bf16"
+    q_bits = 4 if q_bits is None else q_bits
     dtypes = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
               "fp32": "float32", "float32": "float32"}
     if dtype not in dtypes:

@@ -1,0 +1,107 @@
+"""Quantize or cast a safetensors target (an mlx-lm or Hugging Face model dir, or a hub repo) with mlx-lm's converter.
+
+DFlash verifies against exactly these weights, so the drafter pairs with the quantized target like any other:
+
+    dflash-mlx convert --target path/or/repo OUT --q-bits 4 [--q-group-size 64]
+
+Greedy DFlash output equals mlx-lm's greedy output on the same quantized weights, up to near-ties where a
+multi-row verify rounds differently from a one-row decode (README, "Losslessness"; tests/test_quantized.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+from dflash_mlx.errors import DFlashError
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+def convert_target(
+    source: str,
+    out: Union[str, Path],
+    *,
+    q_bits: Optional[int] = None,
+    q_group_size: int = 64,
+    dtype: Optional[str] = None,
+    revision: Optional[str] = None,
+) -> Path:
+    """Write `source` into `out` (atomically) quantized to `q_bits` and/or cast to `dtype`; returns `out`.
+
+    Args:
+        source: a local model directory with config.json and safetensors, or a Hugging Face repo id.
+        out: the new output directory (must not exist, or be empty).
+        q_bits: 4 or 8 (mlx-lm affine quantization of linear and embedding layers); None keeps floats.
+        q_group_size: 32, 64 or 128.
+        dtype: fp32, bf16 or fp16 for the floats (default: the source's own `torch_dtype`).
+        revision: hub revision when `source` is a repo id.
+    """
+    from mlx_lm.convert import convert as mlx_lm_convert
+
+    if q_bits is not None and q_bits not in (4, 8):
+        raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
+    if q_group_size not in (32, 64, 128):
+        raise DFlashError(f"--q-group-size must be 32, 64 or 128, got {q_group_size}")
+    if dtype is not None and dtype not in DTYPES:
+        raise DFlashError(f"unsupported dtype '{dtype}'; choose fp32, bf16 or fp16")
+    if q_bits is None and dtype is None:
+        raise DFlashError("nothing to do: give --q-bits 4|8 and/or --dtype fp32|bf16|fp16")
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DFlashError(f"output '{out}' already exists; choose a new directory or delete it")
+    local = Path(source).expanduser()
+    if local.exists():
+        config_file = local / "config.json"
+        if not config_file.is_file():
+            raise DFlashError(f"target '{source}' has no config.json; pass an mlx-lm or Hugging Face model directory")
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError as e:
+            raise DFlashError(f"cannot parse {config_file}: {e}") from None
+        if q_bits is not None and (config.get("quantization") or config.get("quantization_config")):
+            raise DFlashError(f"target '{source}' is already quantized; convert from the unquantized model")
+        if out.resolve() == local.resolve():
+            raise DFlashError("the output directory is the source directory; choose another one")
+    elif source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise DFlashError(f"target '{source}' not found: give a local model directory or a hub repo id (org/name)")
+
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        mlx_lm_convert(str(local) if local.exists() else source, str(partial), quantize=q_bits is not None,
+                       q_group_size=q_group_size, q_bits=q_bits, dtype=DTYPES.get(dtype), revision=revision)
+    except (ValueError, FileNotFoundError) as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise DFlashError(f"mlx-lm could not convert '{source}': {' '.join(str(e).split())}") from None
+    except Exception as e:  # hub errors (offline, unknown repo) come in many types
+        shutil.rmtree(partial, ignore_errors=True)
+        raise DFlashError(f"could not convert '{source}': {type(e).__name__}: {' '.join(str(e).split())}") from None
+    if out.exists():
+        out.rmdir()
+    os.replace(partial, out)
+    return out
+
+
+def convert_model_command(source: Optional[str], out: Optional[Path], *, gguf: Optional[Path],
+                          target: Optional[str], dtype: Optional[str], quantize: bool, q_bits: Optional[int],
+                          q_group_size: int, revision: Optional[str]) -> Path:
+    """`dflash-mlx convert --gguf FILE OUT` and `--target DIR_OR_REPO OUT`: check the flags, then convert."""
+    if gguf is not None and target is not None:
+        raise DFlashError("give either --gguf or --target, not both")
+    flag = "--gguf" if gguf is not None else "--target"
+    if source is None or out is not None:
+        raise DFlashError(f"{flag} takes exactly one positional argument, the output directory: "
+                          f"dflash-mlx convert {flag} {'FILE' if gguf is not None else 'DIR_OR_REPO'} OUT")
+    out = Path(source)
+    if quantize and q_bits is None:
+        q_bits = 4
+    if gguf is not None:
+        from .gguf import convert_gguf
+
+        return convert_gguf(gguf, out, dtype=dtype or "fp32", q_bits=q_bits, q_group_size=q_group_size)
+    return convert_target(target, out, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype, revision=revision)

@@ -1,0 +1,293 @@
+"""GGUF conversion on synthetic files written with gguf.GGUFWriter: no downloads, a few seconds.
+
+Checks dequantization against numpy (and, for K-quants, against hand-built blocks decoded by an independent
+reference), llama.cpp's Q/K permutation round trip, and whole tiny llama / qwen2 / gemma3 models: written the way
+llama.cpp's converter writes them, converted back, loaded with mlx_lm.load, same logits as the original.
+"""
+
+import json
+
+import dflash_mlx  # noqa: F401  (first: OpenBLAS before mlx)
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, load as mlx_lm_load
+from tokenizers.pre_tokenizers import ByteLevel
+
+from dflash_mlx.cli import main
+from dflash_mlx.convert.gguf import GGUFFile, build_config, convert_gguf, dequantize, unpermute_qk
+from dflash_mlx.errors import DFlashError
+
+from tiny import randomize
+
+
+def _write(path, arch, tensors, *, meta=None, tokenizer=True):
+    """A GGUF file: {name: (array, ggml type)}; float arrays are quantized with gguf.quants where asked."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (meta or {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+    if tokenizer:
+        _add_tokenizer(w)
+    for name, (a, qtype) in tensors.items():
+        if a.dtype == np.uint8:  # raw blocks
+            w.add_tensor(name, a, raw_dtype=qtype)
+        elif qtype in (T.F32, T.F16):
+            w.add_tensor(name, a.astype(np.float32 if qtype == T.F32 else np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 256 + 1 + len(SPECIALS)  # byte alphabet, one merge, specials
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _add_tokenizer(w):
+    alphabet = sorted(ByteLevel.alphabet())
+    tokens = alphabet + ["he"] + SPECIALS
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS))
+    w.add_token_merges(["h e"])
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(TEMPLATE)
+
+
+# -- dequantization -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qtype,tol", [(T.F32, 0.0), (T.F16, 1e-3), (T.Q8_0, 0.02), (T.Q5_0, 0.1),
+                                       (T.Q4_0, 0.2), (T.Q4_1, 0.2)])
+def test_dequantize_round_trip(tmp_path, qtype, tol):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 96)).astype(np.float32)
+    f = GGUFFile(_write(tmp_path / "t.gguf", "llama", {"w": (x, qtype)}, tokenizer=False))
+    got = dequantize(f.tensors["w"])
+    assert got.shape == x.shape and got.dtype == np.float32
+    ref = x if qtype == T.F32 else gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype)
+    np.testing.assert_array_equal(got, ref.astype(np.float32))
+    assert np.abs(got - x).max() <= tol * np.abs(x).max()
+
+
+def _f16(v):
+    return np.array([v], dtype=np.float16).view(np.uint8)
+
+
+def test_q4_k_against_independent_reference(tmp_path):
+    # Blocks with d=1, dmin=0 and every sub-block scale 1, min 0: each weight is its 4-bit code.
+    rng = np.random.default_rng(1)
+    rows, blocks = 3, 2
+    raw = np.zeros((rows, blocks, 144), np.uint8)
+    raw[..., 0:2], raw[..., 2:4] = _f16(1.0), _f16(0.0)
+    raw[..., 4:8], raw[..., 8:12], raw[..., 12:16] = 1, 0, 0x01  # 6-bit packed scales/mins
+    qs = rng.integers(0, 256, (rows, blocks, 4, 32), dtype=np.uint8)
+    raw[..., 16:] = qs.reshape(rows, blocks, 128)
+    # Per 64 weights: 32 bytes, low nibbles first, then high nibbles.
+    expected = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, blocks * 256).astype(np.float32)
+    f = GGUFFile(_write(tmp_path / "k.gguf", "llama", {"w": (raw.reshape(rows, -1), T.Q4_K)}, tokenizer=False))
+    np.testing.assert_array_equal(dequantize(f.tensors["w"]), expected)
+
+
+def test_q6_k_against_independent_reference(tmp_path):
+    # d=1 and every scale 1: each weight is its 6-bit code minus 32.
+    rng = np.random.default_rng(2)
+    rows = 2
+    raw = np.zeros((rows, 210), np.uint8)
+    ql = rng.integers(0, 256, (rows, 128), dtype=np.uint8)
+    qh = rng.integers(0, 256, (rows, 64), dtype=np.uint8)
+    raw[:, :128], raw[:, 128:192], raw[:, 192:208], raw[:, 208:210] = ql, qh, 1, _f16(1.0)
+    expected = np.zeros((rows, 256), np.float32)
+    for half in range(2):
+        lo, hi = ql[:, 64 * half:64 * half + 64].astype(np.int32), qh[:, 32 * half:32 * half + 32].astype(np.int32)
+        base = 128 * half
+        expected[:, base:base + 32] = (lo[:, :32] & 0xF) | ((hi & 3) << 4)
+        expected[:, base + 32:base + 64] = (lo[:, 32:] & 0xF) | (((hi >> 2) & 3) << 4)
+        expected[:, base + 64:base + 96] = (lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4)
+        expected[:, base + 96:base + 128] = (lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)
+    f = GGUFFile(_write(tmp_path / "k6.gguf", "llama", {"w": (raw, T.Q6_K)}, tokenizer=False))
+    np.testing.assert_array_equal(dequantize(f.tensors["w"]), expected - 32)
+
+
+def _llama_cpp_permute(w, n_head):
+    # convert_hf_to_gguf.py's LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("n_head,head_dim", [(4, 16), (3, 64), (1, 8)])
+def test_unpermute_inverts_llama_cpp(n_head, head_dim):
+    w = np.random.default_rng(3).standard_normal((n_head * head_dim, 24)).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_qk(_llama_cpp_permute(w, n_head), n_head), w)
+    b = w[:, 0]
+    np.testing.assert_array_equal(unpermute_qk(_llama_cpp_permute(b, n_head), n_head), b)
+
+
+# -- whole tiny models ----------------------------------------------------------------------------------------
+CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                  rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=512),
+    "gemma3": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=96,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+                   vocab_size=VOCAB, rope_theta=1000000.0, query_pre_attn_scalar=32, sliding_window=8,
+                   max_position_embeddings=512),
+}
+TO_GGUF = {  # mlx-lm names -> llama.cpp names, written out independently of the converter's table
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+GEMMA_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(name, arch):
+    parts = name.split(".")
+    kind = parts[-1]
+    base = ".".join(parts[:-1])
+    if base in TO_GGUF:
+        return f"{TO_GGUF[base]}.{kind}"
+    layer, rest = parts[2], ".".join(parts[3:-1])
+    table = {**TO_GGUF, **GEMMA_TO_GGUF} if arch == "gemma3" else TO_GGUF
+    return f"blk.{layer}.{table[rest]}.{kind}"
+
+
+def _export(model, config, arch, path, qtype=T.F32):
+    """Write an mlx-lm model as llama.cpp would: renamed, Q/K permuted (llama), norms as 1 + w (gemma3)."""
+    tensors = {}
+    for name, p in tree_flatten(model.parameters()):
+        a = np.array(p, dtype=np.float32)
+        g = _gguf_name(name, arch)
+        if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads"] if ".attn_q." in g else config["num_key_value_heads"]
+            a = _llama_cpp_permute(a, heads)
+        if arch == "gemma3" and "norm" in g:
+            a = a + 1.0
+        tensors[g] = (a, qtype if a.ndim == 2 and a.shape[-1] % 32 == 0 else T.F32)
+    c = config
+    meta = {f"{arch}.block_count": c["num_hidden_layers"], f"{arch}.embedding_length": c["hidden_size"],
+            f"{arch}.feed_forward_length": c["intermediate_size"],
+            f"{arch}.attention.head_count": c["num_attention_heads"],
+            f"{arch}.attention.head_count_kv": c["num_key_value_heads"],
+            f"{arch}.attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
+            f"{arch}.rope.freq_base": float(c["rope_theta"]), f"{arch}.context_length": 512}
+    if "head_dim" in c:
+        meta[f"{arch}.attention.key_length"] = c["head_dim"]
+    if arch == "gemma3":
+        meta[f"{arch}.attention.sliding_window"] = c["sliding_window"]
+    return _write(path, arch, tensors, meta=meta)
+
+
+def _tiny(arch, seed=0):
+    config = CONFIGS[arch]
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if arch == "gemma3":
+        model.sanitize({})  # gemma3 files tie the head to the embedding: drop the separate lm_head
+    return randomize(model, seed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_tiny_model_round_trip(tmp_path, arch):
+    model = _tiny(arch)
+    path = _export(model, CONFIGS[arch], arch, tmp_path / f"{arch}.gguf")
+    out = convert_gguf(path, tmp_path / "out", progress=False)
+    loaded, tokenizer = mlx_lm_load(str(out))
+    ids = mx.array([[5, 17, 250, 3, 99, 120, 7]])
+    np.testing.assert_allclose(np.array(loaded(ids)), np.array(model(ids)), rtol=1e-4, atol=1e-4)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == CONFIGS[arch]["model_type"]
+    assert config["tie_word_embeddings"] == CONFIGS[arch].get("tie_word_embeddings", True)
+    # The tokenizer came from the GGUF metadata: merges, specials, eos and chat template.
+    assert tokenizer.encode("hehe", add_special_tokens=False) == [256, 256]
+    assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [VOCAB - 1]
+    assert tokenizer.eos_token_ids == {VOCAB - 1}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_quantized_blocks_and_requantized_output(tmp_path):
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    model = _tiny("llama")
+    path = _export(model, CONFIGS["llama"], "llama", tmp_path / "q.gguf", qtype=T.Q8_0)
+    assert GGUFFile(path).tensors["blk.0.attn_q.weight"].tensor_type == T.Q8_0
+    # The reference: the original model with every Q8_0 weight replaced by its numpy round trip.
+    rounded = []
+    for name, p in tree_flatten(model.parameters()):
+        a = np.array(p)
+        if a.ndim == 2:
+            a = gguf.quants.dequantize(gguf.quants.quantize(a, T.Q8_0), T.Q8_0)
+        rounded.append((name, mx.array(a)))
+    model.update(tree_unflatten(rounded))
+    ids = mx.array([[5, 17, 250, 3]])
+    fp32 = convert_gguf(path, tmp_path / "fp32", progress=False)
+    loaded = mlx_lm_load(str(fp32))[0]
+    np.testing.assert_allclose(np.array(loaded(ids)), np.array(model(ids)), rtol=1e-4, atol=1e-4)
+    # Re-quantized output = mlx-lm's quantizer applied to the fp32 conversion.
+    q8 = convert_gguf(path, tmp_path / "q8", q_bits=8, q_group_size=32, progress=False)
+    config = json.loads((q8 / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    nn.quantize(loaded, group_size=32, bits=8)
+    np.testing.assert_array_equal(np.array(mlx_lm_load(str(q8))[0](ids)), np.array(loaded(ids)))
+    bf16 = convert_gguf(path, tmp_path / "bf16", dtype="bf16", progress=False)
+    assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_config_from_metadata(tmp_path):
+    path = _export(_tiny("gemma3"), CONFIGS["gemma3"], "gemma3", tmp_path / "g.gguf")
+    c = build_config(GGUFFile(path))
+    assert c["model_type"] == "gemma3_text" and c["head_dim"] == 32 and c["query_pre_attn_scalar"] == 32
+    assert c["sliding_window"] == 8 and c["sliding_window_pattern"] == 6 and c["tie_word_embeddings"]
+
+
+# -- clear failures -----------------------------------------------------------------------------------------
+def test_unknown_architecture(tmp_path):
+    path = _write(tmp_path / "x.gguf", "mamba", {"token_embd.weight": (np.zeros((VOCAB, 32), np.float32), T.F32)})
+    with pytest.raises(DFlashError, match="architecture 'mamba'.*not supported"):
+        convert_gguf(path, tmp_path / "out", progress=False)
+
+
+def test_unknown_ggml_type(tmp_path):
+    raw = np.zeros((4, 18), np.uint8)  # one IQ4_NL block per row
+    path = _write(tmp_path / "x.gguf", "llama", {"token_embd.weight": (raw, T.IQ4_NL)})
+    with pytest.raises(DFlashError, match="ggml type IQ4_NL"):
+        convert_gguf(path, tmp_path / "out", progress=False)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["convert", "--gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
+    assert main(["convert", "--gguf", str(tmp_path / "bad.gguf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read" in err
+    assert main(["convert", "--gguf", str(tmp_path / "bad.gguf")]) == 2
+    assert "output directory" in capsys.readouterr().err
+
+
+def test_cli_converts(tmp_path, capsys):
+    path = _export(_tiny("qwen2"), CONFIGS["qwen2"], "qwen2", tmp_path / "m.gguf")
+    assert main(["convert", "--gguf", str(path), str(tmp_path / "out"), "--dtype", "fp16"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float16"
+    assert main(["convert", "--gguf", str(path), str(tmp_path / "out")]) == 2  # exists: refuse, keep it
+    assert "already exists" in capsys.readouterr().err
