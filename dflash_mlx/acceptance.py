@@ -2,18 +2,31 @@
 
 An acceptor turns one verify pass into `(acc, fix)`: `acc` draft tokens are accepted and `fix[acc]` is the
 target's own token after them (the bonus, or the correction at the first rejection). Everything stays on the
-device so a cycle needs a single host sync. Greedy is the fast special case; sampling plugs in here too.
+device so a cycle needs a single host sync. Greedy is the fast special case; `SamplingAcceptor` is lossless
+rejection sampling (dflash-reference.md section 3); `MatchAcceptor` runs an opaque mlx-lm sampler.
+
+Protocol (all arrays lazy):
+    observe(tokens)                      tokens the target has now seen: the prompt, then each cycle's commits
+    first(logits [V]) -> token           the token after the prompt
+    propose(draft_logits [B-1, V]) -> draft [B-1]
+    verify(draft, draft_logits, target_logits [B, V]) -> (acc, fix [B])
+Row i of the target's logits predicts the token after block[i], so draft[i] (block slot i+1) is judged by row i.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from .sampling import LogitsProcessor, SamplingParams, log_distribution, process_rows
 
 
 class GreedyAcceptor:
     """Temperature 0: propose the drafter's argmax, keep drafts while they equal the target's argmax."""
+
+    def observe(self, tokens) -> None:
+        pass
 
     def first(self, logits: mx.array) -> mx.array:
         """The token after the prompt, from the prefill's last logits [V]."""
@@ -30,4 +43,160 @@ class GreedyAcceptor:
             return mx.array(0, dtype=mx.int32), choice
         # acc = length of the longest prefix of drafts equal to the target's own choices.
         acc = mx.cumprod((draft == choice[:-1]).astype(mx.int32)).sum()
+        return acc.astype(mx.int32), choice
+
+
+class _History:
+    """The token history logits processors see (mlx-lm passes the prompt plus every generated token)."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor]):
+        self.processors = list(processors)
+        self.history = mx.zeros((0,), dtype=mx.int32)
+
+    def observe(self, tokens) -> None:
+        if self.processors:
+            new = tokens.astype(mx.int32) if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
+            self.history = mx.concatenate([self.history, new.reshape(-1)])
+
+    def _process(self, logits: mx.array, block: Optional[mx.array] = None) -> mx.array:
+        """Row i of logits [R, V] processed after history + block[:i]."""
+        empty = mx.zeros((0,), dtype=mx.int32)
+        return process_rows(self.processors, self.history, logits, empty if block is None else block)
+
+    def _process_after(self, row: mx.array, prefix: mx.array) -> mx.array:
+        """One row [1, V] processed after history + prefix."""
+        history = mx.concatenate([self.history, prefix.astype(mx.int32)])
+        return process_rows(self.processors, history, row, mx.zeros((0,), dtype=mx.int32))
+
+
+class SamplingAcceptor(_History):
+    """Lossless speculative sampling (Leviathan et al.) with mlx-lm's sampling options.
+
+    Draft token i is drawn from q_i (the drafter's row i through the same processors, filters and temperature as
+    the target) and kept with probability min(1, p_i/q_i); at the first rejection the target's token is drawn from
+    normalize(max(p_i - q_i, 0)); after a full accept the bonus is drawn from p_{B-1}. Every committed token is
+    then distributed exactly as plain sampling from the target. At temperature 0 (with processors) it is greedy on
+    the processed logits.
+
+    Randomness comes from explicit keys split off `seed`, so a seed reproduces a run regardless of other users of
+    MLX's global generator. Without logits processors every method also accepts leading batch dimensions.
+    """
+
+    def __init__(self, params: SamplingParams, logits_processors: Sequence[LogitsProcessor] = (),
+                 seed: Optional[int] = None):
+        super().__init__(logits_processors)
+        self.params = params
+        if seed is None:
+            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+        self._key = mx.random.key(int(seed))
+        self._proposed: Optional[Tuple[mx.array, mx.array]] = None  # (draft, its log q), reused by verify
+
+    def _keys(self, n: int) -> mx.array:
+        keys = mx.random.split(self._key, n + 1)
+        self._key = keys[0]
+        return keys[1:]
+
+    def _draw(self, logdist: mx.array, key: mx.array) -> mx.array:
+        if self.params.greedy:
+            return mx.argmax(logdist, axis=-1).astype(mx.int32)
+        return mx.random.categorical(logdist, axis=-1, key=key).astype(mx.int32)
+
+    def first(self, logits: mx.array) -> mx.array:
+        logdist = log_distribution(self._process(logits.reshape(1, -1)), self.params)[0]
+        return self._draw(logdist, self._keys(1)[0])
+
+    def propose(self, draft_logits: mx.array) -> mx.array:
+        keys = self._keys(max(draft_logits.shape[-2], 1))
+        if not self.processors:
+            logq = log_distribution(draft_logits, self.params)
+            draft = self._draw(logq, keys[0])
+        else:
+            # Row i's processors see the drafts before it, so the rows are drawn one after another.
+            draft = mx.zeros((0,), dtype=mx.int32)
+            rows = []
+            for i in range(draft_logits.shape[0]):
+                row = log_distribution(self._process_after(draft_logits[i : i + 1], draft), self.params)
+                rows.append(row)
+                draft = mx.concatenate([draft, self._draw(row, keys[i])])
+            logq = mx.concatenate(rows, axis=0) if rows else draft_logits.astype(mx.float32)
+        self._proposed = (draft, logq)
+        return draft
+
+    def _logq(self, draft: mx.array, draft_logits: mx.array) -> mx.array:
+        if self._proposed is not None and self._proposed[0] is draft:
+            return self._proposed[1]
+        if not self.processors:
+            return log_distribution(draft_logits, self.params)
+        return log_distribution(self._process(draft_logits, draft), self.params)
+
+    def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
+               target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+        logp = log_distribution(self._process(target_logits, draft) if self.processors else target_logits,
+                                self.params)  # [..., B, V]
+        key_accept, key_fix = self._keys(2)
+        if draft.shape[-1] == 0:
+            self._proposed = None
+            return mx.zeros(draft.shape[:-1], dtype=mx.int32), self._draw(logp, key_fix)
+        logq = self._logq(draft, draft_logits)  # [..., B-1, V]
+        self._proposed = None
+        if self.params.greedy:
+            choice = self._draw(logp, key_fix)
+            acc = mx.cumprod((draft == choice[..., :-1]).astype(mx.int32), axis=-1).sum(axis=-1)
+            return acc.astype(mx.int32), choice
+        p, q = mx.exp(logp), mx.exp(logq)
+        idx = draft[..., None].astype(mx.int32)
+        p_d = mx.take_along_axis(p[..., :-1, :], idx, axis=-1)[..., 0]
+        q_d = mx.take_along_axis(q, idx, axis=-1)[..., 0]
+        # Accept with probability min(1, p/q): u in [0, 1), so p >= q always accepts and p == 0 never does.
+        u = mx.random.uniform(shape=p_d.shape, key=key_accept)
+        accepted = (u * q_d < p_d).astype(mx.int32)
+        acc = mx.cumprod(accepted, axis=-1).sum(axis=-1).astype(mx.int32)
+        # Row i < B-1: the residual normalize(max(p - q, 0)); it is empty only when p == q, where rejection has
+        # probability 0 (then fall back to p to stay finite). Row B-1: the bonus, from p.
+        fix = self._draw(mx.concatenate([self._residual(p, q, logp), logp[..., -1:, :]], axis=-2), key_fix)
+        return acc, fix
+
+    @staticmethod
+    def _residual(p: mx.array, q: mx.array, logp: mx.array) -> mx.array:
+        """log normalize(max(p_i - q_i, 0)) for the draft rows i < B-1 (unnormalized: categorical normalizes)."""
+        residual = mx.maximum(p[..., :-1, :] - q, 0.0)
+        mass = residual.sum(axis=-1, keepdims=True)
+        return mx.where(mass > 0, mx.log(residual), logp[..., :-1, :])
+
+
+class MatchAcceptor(_History):
+    """An opaque mlx-lm sampler: the target samples every position and drafts are kept while they match.
+
+    Lossless for any sampler that treats the rows of a [R, V] batch independently (mlx-lm's do, as its own
+    speculative decoding relies on; XTC shares one coin flip across rows); acceptance is lower than rejection
+    sampling's. Drafts are the drafter's argmax (it maximises the chance of a match). The sampler draws from MLX's
+    global generator (`mx.random.seed`). Without logits processors, leading batch dimensions are accepted.
+    """
+
+    def __init__(self, sampler: Callable[[mx.array], mx.array], logits_processors: Sequence[LogitsProcessor] = ()):
+        super().__init__(logits_processors)
+        self.sampler = sampler
+
+    def _sample(self, logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self.sampler(logprobs).astype(mx.int32)
+
+    def first(self, logits: mx.array) -> mx.array:
+        return self._sample(self._process(logits.reshape(1, -1)))[0]
+
+    def propose(self, draft_logits: mx.array) -> mx.array:
+        if not self.processors:
+            return mx.argmax(draft_logits, axis=-1).astype(mx.int32)
+        draft = mx.zeros((0,), dtype=mx.int32)
+        for i in range(draft_logits.shape[0]):
+            row = self._process_after(draft_logits[i : i + 1], draft)
+            draft = mx.concatenate([draft, mx.argmax(row, axis=-1).astype(mx.int32)])
+        return draft
+
+    def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
+               target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+        choice = self._sample(self._process(target_logits, draft) if self.processors else target_logits)
+        if draft.shape[-1] == 0:
+            return mx.zeros(draft.shape[:-1], dtype=mx.int32), choice
+        acc = mx.cumprod((draft == choice[..., :-1]).astype(mx.int32), axis=-1).sum(axis=-1)
         return acc.astype(mx.int32), choice

@@ -14,17 +14,19 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generator, List, Optional, Tuple, Union
+from typing import Callable, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import registry
 from .drafter import DFlashDrafter, TargetBinding
 from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
 from .pairing import check_pair
+from .sampling import make_acceptor
 from .stats import AcceptanceStats
 from .target import TargetModel, supported_model_types
 from .target.families import family_for
@@ -77,6 +79,15 @@ def _load_target(path_or_repo: str, tokenizer_config: Optional[dict], revision: 
         raise DFlashError(f"could not load target '{path_or_repo}': {type(e).__name__}: {e}") from e
 
 
+def _drafter_location(drafter: str, revision: Optional[str]) -> str:
+    """Local dirs load as they are; hub drafters are converted once into the cache."""
+    from .hub import cached_drafter
+
+    if Path(drafter).expanduser().exists() or drafter.startswith((".", "/", "~")) or drafter.count("/") != 1:
+        return drafter
+    return str(cached_drafter(drafter, revision))
+
+
 def prepare(model: nn.Module, drafter: Optional[DFlashDrafter], probe: bool = False) -> TargetModel:
     """Wrap an mlx-lm model for DFlash and bind `drafter` to its embedding and head (cheap; no weights copied)."""
     target = TargetModel(model)
@@ -95,14 +106,18 @@ def load(
     tokenizer_config: Optional[dict] = None,
     revision: Optional[str] = None,
     draft_revision: Optional[str] = None,
+    quant: Optional[str] = None,
 ) -> Tuple[nn.Module, TokenizerWrapper, DFlashDrafter]:
     """Load a target model, its tokenizer and a DFlash drafter, and check that they fit together.
 
     Args:
-        path_or_hf_repo: the target: a local mlx-lm model directory or a hub repo id.
-        drafter: the drafter: a converted drafter dir, a z-lab checkpoint dir, or a hub repo id.
+        path_or_hf_repo: the target: a registry name (`Qwen3.5-9B`, see `dflash-mlx models`), a local mlx-lm
+            model directory, or a hub repo id.
+        drafter: the drafter: a converted drafter dir, a z-lab checkpoint dir, or a hub repo id (converted
+            once and cached). Registry names bring their own.
         tokenizer_config: extra tokenizer options, as in `mlx_lm.load`.
         revision / draft_revision: hub revisions of the target and the drafter.
+        quant: which MLX conversion of a registry model (e.g. "bf16", "8bit", "4bit").
 
     Returns:
         (model, tokenizer, drafter): the plain mlx-lm model (usable with mlx-lm too), its tokenizer wrapper,
@@ -113,10 +128,17 @@ def load(
     """
     from .drafter_io import load_drafter
 
+    target_ref = path_or_hf_repo
+    if registry.looks_like_short_name(path_or_hf_repo) and not Path(path_or_hf_repo).expanduser().exists():
+        resolved = registry.resolve(path_or_hf_repo, quant)
+        target_ref, drafter = resolved.target, drafter or resolved.drafter
+    elif quant is not None:
+        raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models'); "
+                          f"'{path_or_hf_repo}' is a path or repo id")
     if drafter is None:
         raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target)")
-    draft_model = load_drafter(drafter, revision=draft_revision)
-    model, tokenizer = _load_target(path_or_hf_repo, tokenizer_config, revision)
+    draft_model = load_drafter(_drafter_location(drafter, draft_revision), revision=draft_revision)
+    model, tokenizer = _load_target(target_ref, tokenizer_config, revision)
     prepare(model, draft_model, probe=True)
     return model, tokenizer, draft_model
 
@@ -143,6 +165,16 @@ def stream_generate(
     block_size: Optional[int] = None,
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    seed: Optional[int] = None,
+    repetition_penalty: Optional[float] = None,
+    repetition_context_size: int = 20,
+    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
 
@@ -155,6 +187,13 @@ def stream_generate(
         block_size: tokens verified per pass (default: the drafter's); 1 means plain decoding.
         prefill_step_size: prompt tokens per prefill chunk.
         state: caches to continue from (see `engine.DecodeState`); fresh ones if omitted.
+        temp, top_p, top_k, min_p, min_tokens_to_keep: sampling, as in mlx-lm's `make_sampler` (temp 0: greedy).
+            Sampled output is distributed exactly as sampling the target alone (rejection sampling).
+        seed: makes sampled output reproducible.
+        repetition_penalty, repetition_context_size: as in mlx-lm's `make_logits_processors`.
+        logits_processors: mlx-lm logits processors `(tokens, logits) -> logits`; they see the prompt and the
+            tokens before each position, exactly as in mlx-lm.
+        sampler: an mlx-lm sampler object instead of temp/top_p/top_k/min_p (lossless, lower acceptance).
 
     Yields:
         DFlashResponse: text segment, token, logprobs, from_draft, timing, memory, finish_reason and
@@ -165,6 +204,9 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
+    acceptor = make_acceptor(temp, top_p, top_k, min_p, min_tokens_to_keep, seed,
+                             repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+                             logits_processors=logits_processors, sampler=sampler)
     target = prepare(model, drafter)
     eos = set(tokenizer.eos_token_ids)
     stats = AcceptanceStats()
@@ -174,7 +216,8 @@ def stream_generate(
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
     cycles = dflash_generate_step(ids, target, drafter, max_tokens=max_tokens, block_size=block_size,
-                                  stop_tokens=eos, prefill_step_size=prefill_step_size, state=state)
+                                  stop_tokens=eos, prefill_step_size=prefill_step_size, state=state,
+                                  acceptor=acceptor)
     for cycle in cycles:
         if cycle.is_prefill:
             prompt_tps = ids.size / (time.perf_counter() - tic)
@@ -222,7 +265,7 @@ def generate(
     Args:
         model, tokenizer, prompt, drafter: as in `stream_generate`.
         verbose: print tokens as they come, then tok/s, τ and the acceptance histogram.
-        kwargs: passed to `stream_generate` (max_tokens, block_size, ...).
+        kwargs: passed to `stream_generate` (max_tokens, block_size, temp, top_p, top_k, min_p, seed, ...).
     """
     text = ""
     response = None

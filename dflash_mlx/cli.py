@@ -48,18 +48,28 @@ def generate(
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message for the chat template."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt as raw text."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print tok/s, acceptance length τ and its histogram."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy). Output stays exactly the "
+                               "target's distribution."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
     from . import api
+    from .sampling import SamplingParams
 
     if max_tokens == 0:
         raise DFlashError("--max-tokens must be positive (or -1 for no limit)")
+    sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    SamplingParams(**sampling)  # bad values fail here, before any model is loaded
     target, tokenizer, drafter = api.load(model, draft)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
+    options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
     if verbose:
-        api.generate(target, tokenizer, ids, drafter, verbose=True, max_tokens=max_tokens, block_size=block_size)
+        api.generate(target, tokenizer, ids, drafter, verbose=True, **options)
         return
-    for r in api.stream_generate(target, tokenizer, ids, drafter, max_tokens=max_tokens, block_size=block_size):
+    for r in api.stream_generate(target, tokenizer, ids, drafter, **options):
         print(r.text, end="", flush=True)
     print()
 

@@ -1,0 +1,140 @@
+"""Sampling settings for DFlash: mlx-lm's sampler and logits processors, applied alike to target and drafter.
+
+The distribution a token is drawn from is exactly the one mlx-lm's `make_sampler` draws from:
+logits -> logits processors (they see the tokens before this position) -> log-softmax -> top-p, min-p, top-k
+(mlx-lm's own `apply_*` functions, on the untempered log-probs, in its order) -> divide by the temperature.
+`make_acceptor` turns the keyword options into the acceptance rule the engine runs (see `acceptance.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+
+from .errors import DFlashError
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """mlx-lm's `make_sampler` options (same names, same meaning, same "off" values).
+
+    Args:
+        temp: temperature; 0 means greedy.
+        top_p: nucleus mass; active when 0 < top_p < 1.
+        top_k: keep the k most likely tokens; active when > 0 (k >= vocab size keeps all).
+        min_p: drop tokens below min_p times the top probability; active when > 0.
+        min_tokens_to_keep: tokens min-p always keeps.
+    """
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+
+    def __post_init__(self):
+        if not self.temp >= 0:
+            raise DFlashError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 <= self.top_p <= 1:
+            raise DFlashError(f"top_p must be in [0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise DFlashError(f"top_k must be a non-negative integer, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise DFlashError(f"min_p must be in [0, 1], got {self.min_p}")
+        if int(self.min_tokens_to_keep) != self.min_tokens_to_keep or self.min_tokens_to_keep < 1:
+            raise DFlashError(f"min_tokens_to_keep must be a positive integer, got {self.min_tokens_to_keep}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+
+def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """mlx-lm's sampler filters on log-probs [..., V] (removed tokens become -inf), in `make_sampler`'s order."""
+    if 0 < params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p != 0:
+        logprobs = apply_min_p(logprobs, params.min_p, int(params.min_tokens_to_keep))
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, int(params.top_k))
+    return logprobs
+
+
+def log_distribution(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Log-probabilities [..., V] (float32) of the distribution mlx-lm's sampler draws from, given processed logits.
+
+    At temperature 0 this is just the log-softmax (greedy picks its argmax; the filters never drop the top token).
+    """
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if params.greedy:
+        return logprobs
+    scaled = filter_logprobs(logprobs, params) * (1.0 / params.temp)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def process_rows(
+    processors: Sequence[LogitsProcessor], history: mx.array, logits: mx.array, block: mx.array
+) -> mx.array:
+    """Run logits processors over rows [R, V] as the target sees them: row i after `history` + `block[:i]`."""
+    if not processors:
+        return logits
+    rows = []
+    for i in range(logits.shape[0]):
+        tokens = mx.concatenate([history, block[:i].astype(history.dtype)]) if i else history
+        row = logits[i : i + 1]
+        for processor in processors:
+            row = processor(tokens, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0)
+
+
+def make_acceptor(
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    seed: Optional[int] = None,
+    *,
+    repetition_penalty: Optional[float] = None,
+    repetition_context_size: int = 20,
+    logits_processors: Optional[List[LogitsProcessor]] = None,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+):
+    """The acceptance rule for these options.
+
+    Greedy (temp 0, no processors) -> `GreedyAcceptor`; otherwise `SamplingAcceptor` (rejection sampling on the
+    exact distributions). An opaque mlx-lm `sampler` object cannot be turned into a distribution, so it runs
+    through `MatchAcceptor` (the target samples every position, drafts are kept while they match: lossless for
+    any sampler that treats rows independently, with lower acceptance).
+
+    Args:
+        temp, top_p, top_k, min_p, min_tokens_to_keep: as in `mlx_lm.sample_utils.make_sampler`.
+        seed: seeds the sampling (same seed, same output); `None` draws one from MLX's global generator.
+        repetition_penalty, repetition_context_size: as in `make_logits_processors`.
+        logits_processors: extra mlx-lm logits processors `(tokens, logits) -> logits`, applied after those.
+        sampler: an mlx-lm sampler object, instead of temp/top_p/top_k/min_p.
+    """
+    from .acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor
+
+    if repetition_penalty is not None and not repetition_penalty > 0:
+        raise DFlashError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    processors = list(make_logits_processors(repetition_penalty=repetition_penalty,
+                                             repetition_context_size=repetition_context_size))
+    processors += list(logits_processors or [])
+    params = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    if sampler is not None and sampler is not greedy_sampler:
+        if params != SamplingParams():
+            raise DFlashError("give either sampler= or temp/top_p/top_k/min_p, not both")
+        if seed is not None:
+            mx.random.seed(seed)  # an opaque sampler draws from MLX's global generator
+        return MatchAcceptor(sampler, processors)
+    if params.greedy and not processors:
+        return GreedyAcceptor()
+    return SamplingAcceptor(params, processors, seed=seed)
