@@ -59,12 +59,14 @@ CONFIGS: Dict[str, dict] = {
                         num_kv_shared_layers=2, sliding_window=WINDOW, sliding_window_pattern=3,
                         final_logit_softcapping=30.0, tie_word_embeddings=True),
 }
-CONFIGS["gemma3"] = dict(model_type="gemma3", vocab_size=VOCAB,
-                         text_config={k: v for k, v in CONFIGS["gemma3_text"].items() if k != "vocab_size"})
+# The nested multimodal layouts (`language_model`), as the real checkpoints ship.
+for _text in ("gemma3", "gemma4"):
+    CONFIGS[_text] = dict(model_type=_text, vocab_size=VOCAB,
+                          text_config={k: v for k, v in CONFIGS[_text + "_text"].items() if k != "vocab_size"})
 
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MOE = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3")
-WINDOWED = ("gpt_oss", "gemma3_text", "gemma3", "gemma4_text")
+WINDOWED = ("gpt_oss", "gemma3_text", "gemma3", "gemma4_text", "gemma4")
 ALL = tuple(CONFIGS)
 
 

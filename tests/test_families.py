@@ -20,7 +20,7 @@ from dflash_mlx.target import TargetModel
 
 MAX_TOKENS = 24
 LOSSLESS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss", "gemma3_text", "qwen3_moe", "deepseek_v3",
-            "gemma3", "gemma4_text")
+            "gemma3", "gemma4_text", "gemma4")
 PROMPTS = (5, 3 * WINDOW - 1)  # shorter and longer than the sliding window
 
 
@@ -151,8 +151,17 @@ def test_gemma4_head_is_softcapped():
     assert TargetModel(shared("gemma3_text")).final_logit_softcapping is None
 
 
+@pytest.mark.parametrize("variant", [
+    dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),  # 26B-A4B style
+    dict(attention_k_eq_v=True, num_global_key_value_heads=1),  # 31B style
+    dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0),
+])
+def test_gemma4_variants(variant):
+    assert TargetModel(build("gemma4_text", seed=3, **variant)).probe_parity() < 1e-4
+
+
 def test_nested_language_model_layouts():
-    for kind in ("qwen3_5", "qwen3_5_moe", "gemma3"):
+    for kind in ("qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"):
         t = TargetModel(shared(kind))
         assert t.lm is t.model.language_model
         assert t.inner is t.model.language_model.model

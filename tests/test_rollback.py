@@ -10,8 +10,10 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from cache_compare import ALL, HYBRID, WINDOW, WINDOWED, assert_caches_equal, prompt, shared
+from cache_compare import ALL, HYBRID, VOCAB, WINDOW, WINDOWED, assert_caches_equal, prompt, shared
+from dflash_mlx.engine import DecodeState, dflash_generate_step
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.oracle import OracleDrafter
 from dflash_mlx.target import TargetModel
 from dflash_mlx.target.hybrid import GatedDeltaCache, RecurrentRollback, ReplayRollback
 from dflash_mlx.target.rotating import WindowKVCache
@@ -112,6 +114,29 @@ def test_decode_cycles_match_chunked_reference(kind):
     assert_caches_equal(ours, ref)
     step = mx.array(seq[pos : pos + 3])[None]
     assert mx.array_equal(t(step, ours)[0], t(step, ref)[0]).item()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3_text"])
+def test_generation_closed_early_leaves_only_committed_tokens(kind):
+    """The engine undoes a queued verify when the caller stops: a whole-write rollback (the pre-verify snapshot)."""
+    t = TargetModel(shared(kind))
+    ids = prompt(3 * WINDOW - 1)
+    drafter = OracleDrafter(ids + [1, 2, 3] * 20, VOCAB, block_size=4)
+    state = DecodeState(t.make_cache(), drafter.make_cache())
+    committed = []
+    gen = dflash_generate_step(mx.array(ids), t, drafter, max_tokens=40, block_size=4, state=state)
+    for i, cycle in enumerate(gen):
+        committed += cycle.tokens
+        if i == 3:
+            gen.close()
+            break
+    _eval(state.target_cache)
+    seen = mx.array(ids + committed[:-1], dtype=mx.int32)[None]  # the newest token is not in the cache yet
+    ref = t.make_cache()
+    t(seen[:, : len(ids)], ref)
+    t(seen[:, len(ids) :], ref)
+    _eval(ref)
+    assert_caches_equal(state.target_cache, ref)
 
 
 # -- GatedDeltaNet rollback contracts -----------------------------------------------------------------------------
