@@ -148,6 +148,7 @@ def test_gemma4_head_is_softcapped():
     raw = t.inner.embed_tokens.as_linear(h)
     assert mx.allclose(logits, mx.tanh(raw / 30.0) * 30.0, atol=1e-4).item()
     assert mx.abs(logits).max().item() <= 30.0
+    assert mx.array_equal(t.head(h, softcap=False), raw).item()  # for drafters that apply their own cap
     assert TargetModel(shared("gemma3_text")).final_logit_softcapping is None
 
 

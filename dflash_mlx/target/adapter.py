@@ -92,16 +92,20 @@ class TargetModel:
         """The target's input embedding, with its scale (Gemma's sqrt(hidden)) where the model applies one."""
         return self.family.embed(self.lm, self.inner, ids)
 
-    def head(self, h: mx.array) -> mx.array:
-        """LM head plus the target's final logit soft-cap where it has one (Gemma 4).
+    def head(self, h: mx.array, softcap: bool = True) -> mx.array:
+        """LM head, then the target's final logit soft-cap where it has one (Gemma 4) unless `softcap=False`.
 
         Final norm is not included: `h` must already be normed (the drafter applies its own norm).
         """
-        return self.family.head(self.lm, self.inner, h)
+        logits = self.family.head(self.lm, self.inner, h)
+        cap = self.final_logit_softcapping
+        if softcap and cap:
+            logits = mx.tanh(logits / cap) * cap  # bit-identical to mlx-lm's compiled logit_softcap
+        return logits
 
     @property
     def final_logit_softcapping(self) -> Optional[float]:
-        """The soft-cap `head` already applies (None if the target has none)."""
+        """The soft-cap `head` applies (None if the target has none)."""
         return getattr(self.lm, "final_logit_softcapping", None)
 
     def __call__(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:

@@ -37,6 +37,7 @@ def _embed(lm: nn.Module, inner: nn.Module, ids: mx.array) -> mx.array:
 
 def _head(lm: nn.Module, inner: nn.Module, h: mx.array) -> mx.array:
     # Untied models carry `lm_head`; tied ones reuse the embedding (quantized or not) as a linear map.
+    # A final logit soft-cap, where the model has one, is applied by the adapter.
     if "lm_head" in lm:
         return lm.lm_head(h)
     return inner.embed_tokens.as_linear(h)
@@ -128,10 +129,9 @@ class Family:
 
 
 def _gemma4_family() -> Family:
-    from .gemma import gemma4_embed, gemma4_forward, softcapped_head
+    from .gemma import gemma4_embed, gemma4_forward
 
-    return Family("gemma4", ("gemma4", "gemma4_text"), embed=gemma4_embed, forward=gemma4_forward,
-                  head=softcapped_head)
+    return Family("gemma4", ("gemma4", "gemma4_text"), embed=gemma4_embed, forward=gemma4_forward)
 
 
 FAMILIES: List[Family] = [

@@ -1,4 +1,4 @@
-"""Gemma 4 targets: the layer walk with per-layer inputs and KV sharing, the scaled embedding, the soft-capped head.
+"""Gemma 4 targets: the layer walk with per-layer inputs and KV sharing, and the scaled embedding.
 
 Gemma 4 threads state between layers that the generic walk does not: per-layer input embeddings, and the last
 `num_kv_shared_layers` layers reusing the keys/values (and RoPE offset) of the last earlier layer of their type,
@@ -16,16 +16,6 @@ from mlx_lm.models.base import create_attention_mask
 
 def gemma4_embed(lm: nn.Module, inner: nn.Module, ids: mx.array) -> mx.array:
     return inner.embed_tokens(ids) * inner.embed_scale
-
-
-def softcapped_head(lm: nn.Module, inner: nn.Module, h: mx.array) -> mx.array:
-    out = lm.lm_head(h) if "lm_head" in lm else inner.embed_tokens.as_linear(h)
-    cap = getattr(lm, "final_logit_softcapping", None)
-    if cap is not None:
-        from mlx_lm.models.gemma4_text import logit_softcap
-
-        out = logit_softcap(cap, out)
-    return out
 
 
 def _masks(inner: nn.Module, h: mx.array, cache: List[Any]) -> List[Any]:
