@@ -1,7 +1,8 @@
 """Acceptance rules: how draft tokens are proposed from the drafter's logits and which of them the target keeps.
 
 An acceptor turns one verify pass into `(acc, fix)`: `acc` draft tokens are accepted and `fix[acc]` is the
-target's own token after them (the bonus, or the correction at the first rejection). Everything stays on the
+target's own token after them (the bonus, or the correction at the first rejection); only `fix[acc]` is read, and
+the sampling acceptor draws just that one token (it fills every slot of `fix` with it). Everything stays on the
 device so a cycle needs a single host sync. Greedy is the fast special case; `SamplingAcceptor` is lossless
 rejection sampling (dflash-reference.md section 3); `MatchAcceptor` runs an opaque mlx-lm sampler.
 
@@ -143,25 +144,27 @@ class SamplingAcceptor(_History):
             choice = self._draw(logp, key_fix)
             acc = mx.cumprod((draft == choice[..., :-1]).astype(mx.int32), axis=-1).sum(axis=-1)
             return acc.astype(mx.int32), choice
-        p, q = mx.exp(logp), mx.exp(logq)
         idx = draft[..., None].astype(mx.int32)
-        p_d = mx.take_along_axis(p[..., :-1, :], idx, axis=-1)[..., 0]
-        q_d = mx.take_along_axis(q, idx, axis=-1)[..., 0]
+        p_d = mx.exp(mx.take_along_axis(logp[..., :-1, :], idx, axis=-1)[..., 0])
+        q_d = mx.exp(mx.take_along_axis(logq, idx, axis=-1)[..., 0])
         # Accept with probability min(1, p/q): u in [0, 1), so p >= q always accepts and p == 0 never does.
         u = mx.random.uniform(shape=p_d.shape, key=key_accept)
-        accepted = (u * q_d < p_d).astype(mx.int32)
-        acc = mx.cumprod(accepted, axis=-1).sum(axis=-1).astype(mx.int32)
-        # Row i < B-1: the residual normalize(max(p - q, 0)); it is empty only when p == q, where rejection has
-        # probability 0 (then fall back to p to stay finite). Row B-1: the bonus, from p.
-        fix = self._draw(mx.concatenate([self._residual(p, q, logp), logp[..., -1:, :]], axis=-2), key_fix)
-        return acc, fix
+        acc = mx.cumprod((u * q_d < p_d).astype(mx.int32), axis=-1).sum(axis=-1).astype(mx.int32)
+        # Only row `acc` is ever committed, so only it is sampled: the residual at the first rejection, or the bonus
+        # after a full accept (q is 0 past the last draft, which makes the residual p itself).
+        row = acc[..., None, None]
+        logp_row = mx.take_along_axis(logp, row, axis=-2)[..., 0, :]
+        no_draft = mx.full(logq.shape[:-2] + (1, logq.shape[-1]), -mx.inf, dtype=logq.dtype)
+        logq_row = mx.take_along_axis(mx.concatenate([logq, no_draft], axis=-2), row, axis=-2)[..., 0, :]
+        token = self._draw(self._fix_distribution(logp_row, logq_row), key_fix)
+        return acc, mx.broadcast_to(token[..., None], token.shape + (logp.shape[-2],))
 
     @staticmethod
-    def _residual(p: mx.array, q: mx.array, logp: mx.array) -> mx.array:
-        """log normalize(max(p_i - q_i, 0)) for the draft rows i < B-1 (unnormalized: categorical normalizes)."""
-        residual = mx.maximum(p[..., :-1, :] - q, 0.0)
-        mass = residual.sum(axis=-1, keepdims=True)
-        return mx.where(mass > 0, mx.log(residual), logp[..., :-1, :])
+    def _fix_distribution(logp_row: mx.array, logq_row: mx.array) -> mx.array:
+        """log normalize(max(p - q, 0)) (unnormalized: categorical normalizes). It is empty only when p == q,
+        where rejection has probability 0; then fall back to p to stay finite."""
+        residual = mx.maximum(mx.exp(logp_row) - mx.exp(logq_row), 0.0)
+        return mx.where(residual.sum(axis=-1, keepdims=True) > 0, mx.log(residual), logp_row)
 
 
 class MatchAcceptor(_History):

@@ -53,6 +53,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temp == 0
 
+    @property
+    def filters(self) -> bool:
+        """Whether any of top-p, min-p, top-k is on (they act on normalized log-probs)."""
+        return 0 < self.top_p < 1 or self.min_p != 0 or self.top_k > 0
+
 
 def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
     """mlx-lm's sampler filters on log-probs [..., V] (removed tokens become -inf), in `make_sampler`'s order."""
@@ -71,10 +76,11 @@ def log_distribution(logits: mx.array, params: SamplingParams) -> mx.array:
     At temperature 0 this is just the log-softmax (greedy picks its argmax; the filters never drop the top token).
     """
     logits = logits.astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.greedy:
-        return logprobs
-    scaled = filter_logprobs(logprobs, params) * (1.0 / params.temp)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if params.filters:
+        logits = filter_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params)
+    scaled = logits * (1.0 / params.temp)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
 

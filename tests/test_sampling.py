@@ -182,8 +182,8 @@ class _NaiveResidual(SamplingAcceptor):
     """A classic bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
 
     @staticmethod
-    def _residual(p, q, logp):
-        return logp[..., :-1, :]
+    def _fix_distribution(logp_row, logq_row):
+        return logp_row
 
 
 def test_negative_control_detects_a_wrong_residual():
