@@ -206,6 +206,16 @@ def test_pluggable_recurrent_strategy_is_exact():
         assert_caches_equal(ours, _reference(ref, ids, P, k, "qwen3_5"))
 
 
+class BrokenRollback(ReplayRollback):
+    def restore(self, write, keep):
+        return write.conv_input[:, -(write.conv_input.shape[1] - write.num_tokens):], None  # forgets the state
+
+
+def test_parity_probe_catches_a_wrong_rollback():
+    with pytest.raises(DFlashError, match="step after rollback"):
+        TargetModel(shared("qwen3_5"), recurrent_rollback=BrokenRollback()).probe_parity()
+
+
 def test_gated_delta_rollback_refuses_what_it_cannot_undo():
     t = TargetModel(shared("qwen3_5"))
     ids = mx.array(prompt(12), dtype=mx.int32)[None]

@@ -140,8 +140,10 @@ class TargetModel:
     def probe_parity(self, num_tokens: int = 8, verify_tokens: int = 4, keep: int = 2) -> float:
         """Check our tapped walk against the model's own call (on mlx-lm's own caches); they must agree.
 
-        Runs a cached prefill, a verify block rolled back to its first `keep` tokens (against the model fed only
-        those), and a one-token step after the rollback. Returns the largest absolute logit difference.
+        Same-shape checks, tight: a cached prefill and a verify block. Then the block is rolled back to its first
+        `keep` tokens and a one-token step is compared with the model fed only those tokens; that comparison
+        crosses batch shapes (which may round differently on quantized targets), so it only has to be close: a
+        wrong rollback moves logits by about their own scale. Returns the largest same-shape logit difference.
         """
         vocab = self.vocab_size
         n, v = num_tokens, verify_tokens
@@ -150,22 +152,25 @@ class TargetModel:
         ours_cache, theirs_cache = self.make_cache(), make_prompt_cache(self.model)
         worst = 0.0
 
-        def compare(ours: mx.array, theirs: mx.array, what: str) -> None:
-            nonlocal worst
+        def compare(ours: mx.array, theirs: mx.array, what: str, tolerance: float = 1e-3) -> float:
             ours, theirs = ours.astype(mx.float32), theirs.astype(mx.float32)
             diff = mx.abs(ours - theirs).max().item()
             scale = max(1.0, mx.abs(theirs).max().item())
-            worst = max(worst, diff)
-            if not diff <= 1e-3 * scale:
+            if not diff <= tolerance * scale:
                 raise DFlashError(
                     f"target '{self.family.name}' parity probe failed ({what}): our layer walk differs from the "
                     f"model's own logits by {diff:.3g}; this mlx-lm version or architecture variant is not supported"
                 )
+            return diff
 
-        compare(self(ids[:, :n], ours_cache)[0], self.model(ids[:, :n], cache=theirs_cache), "prefill")
-        verify, _ = self(ids[:, n : n + v], ours_cache)
+        prefix = ids[:, :n]
+        worst = compare(self(prefix, ours_cache)[0], self.model(prefix, cache=theirs_cache), "prefill")
+        block = ids[:, n : n + v]
+        worst = max(worst, compare(self(block, ours_cache)[0], self.model(block, cache=theirs_cache), "verify"))
         self.rollback(ours_cache, v - keep)
-        compare(verify[:, :keep], self.model(ids[:, n : n + keep], cache=theirs_cache), "verify")
+        fresh = make_prompt_cache(self.model)
+        self.model(prefix, cache=fresh)
+        self.model(block[:, :keep], cache=fresh)
         step = ids[:, n + keep : n + keep + 1]
-        compare(self(step, ours_cache)[0], self.model(step, cache=theirs_cache), "step after rollback")
+        compare(self(step, ours_cache)[0], self.model(step, cache=fresh), "step after rollback", tolerance=5e-2)
         return worst
