@@ -11,6 +11,7 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,11 @@ from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
 from .pairing import check_pair
 from .sampling import make_acceptor
-from .stats import AcceptanceStats
+from .stats import AcceptanceStats, CollapseWatch
 from .target import TargetModel, supported_model_types
 from .target.families import family_for
+
+logger = logging.getLogger("dflash_mlx")
 
 
 @dataclass
@@ -175,6 +178,7 @@ def stream_generate(
     repetition_context_size: int = 20,
     logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    warn_collapse: bool = True,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
 
@@ -194,6 +198,7 @@ def stream_generate(
         logits_processors: mlx-lm logits processors `(tokens, logits) -> logits`; they see the prompt and the
             tokens before each position, exactly as in mlx-lm.
         sampler: an mlx-lm sampler object instead of temp/top_p/top_k/min_p (lossless, lower acceptance).
+        warn_collapse: log one warning (logger "dflash_mlx") when acceptance stays near 1 for many passes.
 
     Yields:
         DFlashResponse: text segment, token, logprobs, from_draft, timing, memory, finish_reason and
@@ -210,20 +215,30 @@ def stream_generate(
     target = prepare(model, drafter)
     eos = set(tokenizer.eos_token_ids)
     stats = AcceptanceStats()
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-
-    tic = time.perf_counter()
-    prompt_tps, n = 0.0, 0
     cycles = dflash_generate_step(ids, target, drafter, max_tokens=max_tokens, block_size=block_size,
                                   stop_tokens=eos, prefill_step_size=prefill_step_size, state=state,
                                   acceptor=acceptor)
+    try:
+        yield from _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse)
+    finally:
+        cycles.close()  # rolls a queued verify pass out of the caches right away, not at garbage collection
+
+
+def _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse):
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    watch = CollapseWatch() if warn_collapse else None
+    tic = time.perf_counter()
+    prompt_tps, n = 0.0, 0
     for cycle in cycles:
         if cycle.is_prefill:
             prompt_tps = ids.size / (time.perf_counter() - tic)
             tic = time.perf_counter()
         else:
             stats.record(cycle.accepted, cycle.block_size)
+            message = watch.check(stats) if watch else None
+            if message:
+                logger.warning(message)
         for i, token in enumerate(cycle.tokens):
             n += 1
             finish = "stop" if token in eos else ("length" if n == max_tokens else None)

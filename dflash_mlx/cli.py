@@ -1,4 +1,4 @@
-"""The `dflash-mlx` command line: generate and convert (more subcommands join as they land).
+"""The `dflash-mlx` command line: generate, chat, convert, models, bench.
 
 Every user mistake ends in one line on stderr that says what is wrong and what to do, and a non-zero exit.
 """
@@ -24,6 +24,13 @@ app = typer.Typer(
 )
 
 
+MODEL_HELP = ("Target: a registry name (see 'dflash-mlx models', e.g. Qwen3.5-9B), a local mlx-lm model dir, "
+              "or a hub repo id.")
+DRAFT_HELP = ("DFlash drafter: converted dir, z-lab checkpoint dir or hub repo id (converted once and cached). "
+              "Registry names bring their own.")
+QUANT_HELP = "Which MLX conversion of a registry model: bf16, 8bit, 4bit (default: chosen per size)."
+
+
 def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bool) -> list:
     """Apply the chat template the way `mlx_lm.generate` does, then encode."""
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
@@ -39,8 +46,9 @@ def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bo
 
 @app.command()
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help="Target: a local mlx-lm model dir or a hub repo id."),
-    draft: str = typer.Option(..., "--draft", "-d", help="DFlash drafter: converted dir, z-lab checkpoint dir or repo id."),
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
+    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (-1: until EOS)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
@@ -63,7 +71,7 @@ def generate(
         raise DFlashError("--max-tokens must be positive (or -1 for no limit)")
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
-    target, tokenizer, drafter = api.load(model, draft)
+    target, tokenizer, drafter = api.load(model, draft, quant=quant)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
     if verbose:
@@ -72,6 +80,41 @@ def generate(
     for r in api.stream_generate(target, tokenizer, ids, drafter, **options):
         print(r.text, end="", flush=True)
     print()
+
+
+@app.command()
+def chat(
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
+    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
+                                             help="Tokens verified per pass (default: the drafter's)."),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy); /temp changes it."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampled replies."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking",
+                                            help="Thinking mode for models whose template has one; /think toggles."),
+    history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
+):
+    """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
+    from . import api
+    from .chat import ChatSession, run_repl
+    from .sampling import SamplingParams
+
+    sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    SamplingParams(**sampling)
+    if seed is not None:
+        sampling["seed"] = seed
+    target, tokenizer, drafter = api.load(model, draft, quant=quant)
+    session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
+                          block_size=block_size, sampling=sampling, thinking=thinking)
+    if history is not None:
+        session.load(str(history))
+    run_repl(session)
 
 
 @app.command()

@@ -35,3 +35,26 @@ class AcceptanceStats:
             bar = "#" * round(width * count / top)
             lines.append(f"{length:>3} | {bar:<{width}} {count}")
         return "\n".join(lines)
+
+
+class CollapseWatch:
+    """Notices when drafting stopped paying off: τ near 1 for many verify passes with a block larger than 1.
+
+    Then DFlash runs slower than plain decoding. `check` returns a message once, the first time it happens.
+    """
+
+    def __init__(self, min_cycles: int = 32, max_tau: float = 1.25):
+        self.min_cycles = min_cycles
+        self.max_tau = max_tau
+        self.fired = False
+
+    def check(self, stats: AcceptanceStats):
+        if self.fired or stats.cycles < self.min_cycles or stats.max_block < 2 or stats.tau > self.max_tau:
+            return None
+        self.fired = True
+        return (
+            f"acceptance collapsed: tau {stats.tau:.2f} over {stats.cycles} verify passes with blocks of "
+            f"{stats.max_block}, so DFlash is slower than plain decoding here. Likely causes: a drafter made for "
+            "another target or fine-tune, wrong target_layer_ids, a broken quantization of the drafter, or a "
+            "prompt far from the drafter's training data. Try another drafter or --block-size 1."
+        )
