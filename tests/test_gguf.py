@@ -21,7 +21,6 @@ from dflash_mlx.cli import main
 from dflash_mlx.convert.gguf import GGUFFile, build_config, convert_gguf, dequantize, unpermute_qk
 from dflash_mlx.errors import DFlashError
 
-from tiny import randomize
 
 
 def _write(path, arch, tensors, *, meta=None, tokenizer=True):
@@ -193,6 +192,19 @@ def _export(model, config, arch, path, qtype=T.F32):
     if arch == "gemma3":
         meta[f"{arch}.attention.sliding_window"] = c["sliding_window"]
     return _write(path, arch, tensors, meta=meta)
+
+
+def randomize(model, seed):
+    """Redraw every parameter (norms around 1) so a misplaced or mis-scaled tensor shows in the logits."""
+    from mlx.utils import tree_unflatten
+
+    rng = np.random.default_rng(seed)
+    new = []
+    for name, p in tree_flatten(model.parameters()):
+        z = rng.standard_normal(p.shape).astype(np.float32)
+        new.append((name, mx.array(1.0 + 0.2 * z if name.endswith("norm.weight") else z / np.sqrt(p.shape[-1]))))
+    model.update(tree_unflatten(new))
+    return model
 
 
 def _tiny(arch, seed=0):
