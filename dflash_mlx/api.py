@@ -10,6 +10,7 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -96,7 +97,9 @@ def prepare(model: nn.Module, drafter: Optional[DFlashDrafter], probe: bool = Fa
     target = TargetModel(model)
     if drafter is not None:
         check_pair(target, drafter.config)
-        drafter.bind(TargetBinding(target.embed, target.head))
+        # The drafter caps its own logits (after its output multiplier), so it borrows the uncapped head.
+        drafter.bind(TargetBinding(target.embed, functools.partial(target.head, softcap=False),
+                                   target.final_logit_softcapping))
     if probe:
         target.probe_parity()
     return target

@@ -90,9 +90,11 @@ class DraftLayer(nn.Module):
 class TargetBinding:
     """The target's embedding and LM head, as the drafter borrows them (plain object: not a submodule)."""
 
-    def __init__(self, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array]):
+    def __init__(self, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array],
+                 softcap: Optional[float] = None):
         self.embed = embed
-        self.head = head
+        self.head = head  # without the target's logit soft-cap: the drafter applies a cap after its multiplier
+        self.softcap = softcap  # the target's final logit soft-cap, used when the drafter config has none
 
 
 class DFlashDrafter(nn.Module):
@@ -147,7 +149,7 @@ class DFlashDrafter(nn.Module):
         logits = self.binding.head(self.norm(x[:, 1:]))
         if cfg.output_multiplier is not None:
             logits = logits * cfg.output_multiplier
-        if cfg.final_logit_softcapping is not None:
-            cap = cfg.final_logit_softcapping
+        cap = cfg.final_logit_softcapping if cfg.final_logit_softcapping is not None else self.binding.softcap
+        if cap:
             logits = mx.tanh(logits / cap) * cap
         return logits
