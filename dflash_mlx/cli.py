@@ -1,4 +1,4 @@
-"""The `dflash-mlx` command line: generate, chat, convert, models, bench.
+"""The `dflash-mlx` command line: generate, chat, convert, models, bench, train.
 
 Every user mistake ends in one line on stderr that says what is wrong and what to do, and a non-zero exit.
 """
@@ -212,6 +212,10 @@ def bench(
 from .models import models_app  # noqa: E402  (light: mlx loads only when a model is converted)
 
 app.add_typer(models_app, name="models")
+
+from .train.command import train_command  # noqa: E402
+
+app.command("train")(train_command)
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -50,6 +50,9 @@ class DFlashConfig:
     input_embedding_scale: Optional[float] = None
     output_multiplier: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    # Reduced draft vocabulary (speculators convention): the drafter owns an `lm_head` over this many tokens and a
+    # `d2t` buffer, target id = draft id + d2t[draft id].
+    draft_vocab_size: Optional[int] = None
     quantization: Optional[Dict[str, int]] = None
     extra: Dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -74,6 +77,10 @@ class DFlashConfig:
             raise DFlashError("drafter config has sliding_attention layers but no sliding_window")
         if self.block_size < 1:
             raise DFlashError(f"block_size must be >= 1, got {self.block_size}")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise DFlashError(
+                f"draft_vocab_size {self.draft_vocab_size} must be between 1 and vocab_size {self.vocab_size}"
+            )
 
     @property
     def num_taps(self) -> int:

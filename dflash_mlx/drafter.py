@@ -2,7 +2,8 @@
 
 Each draft layer attends from the block to (a) the fused features of every committed token, kept in a KV cache
 that is only ever appended to, and (b) the block itself, bidirectionally. The drafter owns no embedding and no LM
-head: it borrows the target's (see `bind`). Math: dflash-reference.md section 2.
+head: it borrows the target's (see `bind`), unless its config has a reduced `draft_vocab_size`, whose head it owns
+(its logits are scattered back to target ids). Math: dflash-reference.md section 2.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = [DraftLayer(config, t == "sliding_attention") for t in config.layer_types]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        if config.draft_vocab_size:
+            # A reduced draft vocabulary with its own head; draft id i is target id i + d2t[i] (speculators).
+            self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+            self.d2t = mx.zeros((config.draft_vocab_size,), dtype=mx.int32)
         self.binding: Optional[TargetBinding] = None
 
     @property
@@ -146,10 +151,23 @@ class DFlashDrafter(nn.Module):
             x = x * cfg.input_embedding_scale
         for layer, c in zip(self.layers, cache):
             x = layer(x, c)
-        logits = self.binding.head(self.norm(x[:, 1:]))
+        return self.to_target_vocab(self.draft_logits(self.norm(x[:, 1:])))
+
+    def draft_logits(self, h: mx.array) -> mx.array:
+        """Logits of final-normed hidden states over the drafter's vocabulary (the target's unless reduced)."""
+        cfg = self.config
+        logits = self.lm_head(h) if "lm_head" in self else self.binding.head(h)
         if cfg.output_multiplier is not None:
             logits = logits * cfg.output_multiplier
         cap = cfg.final_logit_softcapping if cfg.final_logit_softcapping is not None else self.binding.softcap
         if cap:
             logits = mx.tanh(logits / cap) * cap
         return logits
+
+    def to_target_vocab(self, logits: mx.array) -> mx.array:
+        """Scatter reduced-vocabulary logits [..., N] into the target's [..., V]; other ids get -1e9 (never drafted)."""
+        if "lm_head" not in self:
+            return logits
+        ids = mx.arange(logits.shape[-1], dtype=mx.int32) + self.d2t
+        full = mx.full((*logits.shape[:-1], self.config.vocab_size), -1e9, dtype=logits.dtype)
+        return mx.put_along_axis(full, mx.broadcast_to(ids, logits.shape), logits, axis=-1)

@@ -1,0 +1,403 @@
+"""`dflash-mlx train`: make a DFlash drafter for an mlx-lm target, from data to a loadable drafter directory.
+
+    dflash-mlx train --target smollm2-135m --data ~/code/ --out my-drafter --steps 2000
+
+Stages, each resumable: (1) read and pack the data (optionally the target answers every prompt); (2) run the
+frozen target once over it and cache the tapped features on disk; (3) train (checkpoints, `--resume`); (4) write
+the drafter (`config.json` + `model.safetensors`, as `convert` writes) and a model card README.md into --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import typer
+
+from ..errors import DFlashError
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+@dataclass
+class TrainArgs:
+    """Everything `dflash-mlx train` was asked for; stored with each checkpoint so `--resume` needs no flags."""
+
+    target: str
+    out: str
+    data: List[str] = field(default_factory=list)
+    cache: Optional[str] = None  # default: OUT/features
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup: Optional[int] = None
+    weight_decay: float = 0.01
+    block_size: int = 16
+    num_layers: int = 5
+    target_layers: Optional[List[int]] = None
+    intermediate_size: Optional[int] = None
+    anchors: int = 64
+    rows: int = 1
+    seq_len: int = 1024
+    gamma: Optional[float] = None
+    kl: float = 0.0
+    kl_topk: int = 8
+    draft_vocab: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    max_data_tokens: Optional[int] = None
+    regenerate: int = 0
+    gen_batch: int = 16
+    eval_prompts: int = 4
+    eval_every: int = 200
+    eval_tokens: int = 64
+    checkpoint_every: int = 200
+    seed: int = 0
+    dtype: str = "fp32"
+    progress: bool = True
+
+    def train_config(self):
+        from .trainer import TrainConfig
+
+        return TrainConfig(steps=self.steps, lr=self.lr, warmup=self.warmup, weight_decay=self.weight_decay,
+                           rows_per_step=self.rows, anchors=self.anchors, gamma=self.gamma, kl=self.kl,
+                           seed=self.seed, checkpoint_every=self.checkpoint_every, eval_every=self.eval_every,
+                           eval_tokens=self.eval_tokens)
+
+    def command_line(self) -> str:
+        """The `dflash-mlx train` invocation of these options (defaults left out)."""
+        parts = ["dflash-mlx", "train"]
+        defaults = TrainArgs(target="", out="")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "progress" or (f.name not in ("target", "out") and value == getattr(defaults, f.name)):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "data":
+                parts += [x for v in value for x in ("--data", shlex.quote(v))]
+            elif isinstance(value, list):
+                parts += [flag, ",".join(map(str, value))]
+            else:
+                parts += [flag, shlex.quote(str(value))]
+        return " ".join(parts)
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.cache) if self.cache else Path(self.out) / "features"
+
+
+# -- the target ----------------------------------------------------------------------------------------------------
+def load_target(ref: str):
+    """(model, tokenizer, path) for a local mlx-lm dir, an offline registry name (installed on first use) or a repo."""
+    from ..api import _load_target
+    from ..models import OFFLINE_MODELS, ensure_offline_model, get_model
+
+    path = Path(ref).expanduser()
+    if not path.exists() and ref.strip().lower() in {m.lower() for m in OFFLINE_MODELS} | {
+            m.title.split(" ")[0].lower() for m in OFFLINE_MODELS.values()}:
+        path = ensure_offline_model(get_model(ref).name)
+        ref = str(path)
+    model, tokenizer = _load_target(ref, None, None)
+    return model, tokenizer, ref
+
+
+def drafter_config(target, model, args: TrainArgs, mask_token_id: int):
+    """A Qwen3-style drafter shaped like the target (hidden size, heads, MLP width unless overridden)."""
+    from ..config import DFlashConfig, default_target_layer_ids
+
+    a = getattr(model, "args", None)
+    get = lambda name, default=None: getattr(a, name, None) or default  # noqa: E731
+    H = target.hidden_size
+    heads = get("num_attention_heads", max(1, H // 64))
+    n = target.num_layers
+    taps = args.target_layers or default_target_layer_ids(n, args.num_layers)
+    return DFlashConfig(
+        hidden_size=H, num_hidden_layers=args.num_layers, num_attention_heads=heads,
+        num_key_value_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", H // heads),
+        intermediate_size=args.intermediate_size or get("intermediate_size", 4 * H), vocab_size=target.vocab_size,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(get("rope_theta", 1e6)),
+        max_position_embeddings=int(get("max_position_embeddings", 32768)), num_target_layers=n,
+        block_size=args.block_size, target_layer_ids=list(taps), mask_token_id=mask_token_id,
+        draft_vocab_size=args.draft_vocab)
+
+
+def pick_mask_token(tokenizer, target, tokens: np.ndarray) -> int:
+    """A token that never occurs in the data and has a non-zero embedding: a '...mask...' special token if the
+    tokenizer has one, else its highest added token that is not BOS/EOS/PAD."""
+    import mlx.core as mx
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = dict(getattr(hf, "get_added_vocab", lambda: {})())
+    used = set(np.unique(np.asarray(tokens)).tolist())
+    reserved = set(getattr(tokenizer, "eos_token_ids", None) or []) | {
+        getattr(hf, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    names = sorted(added.items(), key=lambda kv: (("mask" not in kv[0].lower()), -kv[1]))
+    for _, i in names:
+        if i in used or i in reserved or not 0 <= i < target.vocab_size:
+            continue
+        if mx.abs(target.embed(mx.array([[i]]))).sum().item() > 0:
+            return int(i)
+    raise DFlashError("found no unused special token to serve as the mask token; pass --mask-token-id ID")
+
+
+# -- the run -------------------------------------------------------------------------------------------------------
+def _fingerprint(args: TrainArgs, target_ref: str, taps: List[int], feature_dim: int) -> Dict:
+    return dict(target=target_ref, taps=list(taps), feature_dim=feature_dim, seq_len=args.seq_len,
+                topk=args.kl_topk, data=list(args.data), max_data_tokens=args.max_data_tokens,
+                regenerate=args.regenerate, eval_prompts=args.eval_prompts, seed=args.seed)
+
+
+def prepare_cache(args: TrainArgs, model, tokenizer, target, target_ref: str, taps: List[int], log):
+    """Open or build the feature cache and finish its extraction. Returns (cache, extraction stats or None)."""
+    from .data import prepare_data
+    from .features import FeatureCache
+
+    feature_dim = len(taps) * target.hidden_size
+    fingerprint = _fingerprint(args, target_ref, taps, feature_dim)
+    cache = FeatureCache.open(args.cache_dir, fingerprint)
+    if cache is None:
+        if not args.data:
+            raise DFlashError(f"--data is required (no feature cache yet at {args.cache_dir})")
+        data = prepare_data(tokenizer, args.data, seq_len=args.seq_len, max_tokens=args.max_data_tokens,
+                            num_eval=args.eval_prompts, seed=args.seed, model=model, regenerate_tokens=args.regenerate,
+                            batch_size=args.gen_batch, progress=args.progress)
+        log(f"data: {data.summary['documents']} documents, {data.tokens.size} tokens in {data.tokens.shape[0]} rows "
+            f"of {args.seq_len}, {data.summary['trainable_tokens']} trainable; {len(data.eval_prompts)} held out")
+        cache = FeatureCache.create(args.cache_dir, data, feature_dim=feature_dim, topk=args.kl_topk,
+                                    fingerprint=fingerprint)
+    stats = None
+    if not cache.complete:
+        target.set_taps(taps)
+        stats = cache.extract(target, progress=args.progress)
+        log(f"features: {stats['tokens']} tokens in {stats['seconds']:.1f} s "
+            f"({stats['tokens'] / max(stats['seconds'], 1e-9):.0f} tok/s)")
+        meta = dict(cache.meta, extraction=stats)
+        (cache.path / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+        cache.meta = meta
+    return cache, stats
+
+
+def default_taps(num_target_layers: int, count: int) -> List[int]:
+    """The reference's spread (layer 1 to L-3); on targets too shallow for it, spread over every layer."""
+    from ..config import default_target_layer_ids
+
+    taps = default_target_layer_ids(num_target_layers, count)
+    if len(set(taps)) < len(taps):
+        taps = sorted({int(round(x)) for x in np.linspace(0, num_target_layers - 1, count)})
+    return taps
+
+
+def _setup(args: TrainArgs, resume: bool, log):
+    """Target, feature cache, bound drafter and trainer (restored from the latest checkpoint with `resume`)."""
+    import mlx.core as mx
+
+    from ..api import prepare
+    from ..config import DFlashConfig
+    from ..drafter_io import build_drafter
+    from ..target import TargetModel
+    from .trainer import Trainer, latest_checkpoint
+    from .vocab import head_rows, maps, select_vocab
+
+    out = Path(args.out)
+    checkpoint = latest_checkpoint(out)
+    saved = None
+    if checkpoint is not None and not resume:
+        raise DFlashError(f"'{out}' holds a training run (step {checkpoint.name[5:]}); pass --resume to continue "
+                          "it or choose another --out")
+    if resume:
+        if checkpoint is None:
+            raise DFlashError(f"nothing to resume in '{out}' (no {out}/train_state/latest.json)")
+        saved = json.loads((checkpoint / "trainer.json").read_text())
+        args = TrainArgs(**dict(saved["args"], progress=args.progress))
+        log(f"resuming {checkpoint} (step {saved['step']} of {args.steps}) with its saved options")
+
+    model, tokenizer, target_ref = load_target(args.target)
+    target = TargetModel(model)
+    args.target_layers = list(args.target_layers or default_taps(target.num_layers, args.num_layers))
+    cache, extraction = prepare_cache(args, model, tokenizer, target, target_ref, args.target_layers, log)
+
+    if saved is not None:
+        config = DFlashConfig.from_dict(saved["drafter_config"])
+    else:
+        if args.mask_token_id is None:
+            args.mask_token_id = pick_mask_token(tokenizer, target, cache.tokens)
+        config = drafter_config(target, model, args, args.mask_token_id)
+    mx.random.seed(args.seed)
+    drafter = build_drafter(config)
+    if config.draft_vocab_size and saved is None:  # on resume the head and d2t come with the checkpoint
+        ids = select_vocab(cache.tokens, cache.trainable, config.draft_vocab_size, config.vocab_size,
+                           always=getattr(tokenizer, "eos_token_ids", None) or [])
+        drafter.d2t = mx.array(maps(ids, config.vocab_size)[0])
+        drafter.lm_head.weight = head_rows(target, ids)
+    mx.eval(drafter.parameters())
+    target = prepare(model, drafter)  # checks the pair, taps the drafter's layers, binds embedding and head
+    trainer = Trainer(drafter, cache, args.train_config())
+    if checkpoint is not None:
+        trainer.load(checkpoint)
+    return args, tokenizer, target, drafter, trainer, cache, extraction
+
+
+def run(args: TrainArgs, *, resume: bool = False, log=print) -> Path:
+    """Train a drafter as `args` says; returns the output directory (a loadable drafter)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tqdm import tqdm
+
+    from ..drafter_io import build_drafter, save_drafter
+    from .trainer import held_out_tau
+
+    args, tokenizer, target, drafter, trainer, cache, extraction = _setup(args, resume, log)
+    out = Path(args.out)
+    stops = list(getattr(tokenizer, "eos_token_ids", None) or [])
+
+    def evaluate():
+        if not cache.eval_prompts:
+            return None
+        r = held_out_tau(target, drafter, cache.eval_prompts, max_tokens=args.eval_tokens, stop_tokens=stops)
+        trainer.history.append({"step": trainer.step, "tau": round(r["tau"], 4), "passes": r["passes"]})
+        return r["tau"]
+
+    def checkpoint():
+        trainer.save(out, {"args": dataclasses.asdict(args), "command": args.command_line()})
+
+    tau = trainer.history[-1]["tau"] if trainer.history else None
+    if trainer.step == 0 and not trainer.history:
+        tau = evaluate()
+        log(f"held-out τ before training: {tau}")
+    bar = tqdm(total=args.steps, initial=trainer.step, desc="training", unit="step", disable=not args.progress)
+    loss_ema = None
+    while trainer.step < args.steps:
+        m = trainer.train_step()
+        loss_ema = m["loss"] if loss_ema is None else 0.95 * loss_ema + 0.05 * m["loss"]
+        if args.eval_every and trainer.step % args.eval_every == 0:
+            tau = evaluate()
+        if args.checkpoint_every and trainer.step % args.checkpoint_every == 0:
+            checkpoint()
+        held = "-" if tau is None else f"{tau:.2f}"
+        bar.set_postfix_str(f"loss {loss_ema:.3f} acc1 {m['acc1']:.2f} train-τ {m['tau']:.2f} held-out τ {held} "
+                            f"{trainer.predicted / trainer.elapsed:.0f} pred/s "
+                            f"{trainer.context_tokens / trainer.elapsed:.0f} ctx tok/s", refresh=False)
+        bar.update(1)
+    bar.close()
+    if not trainer.history or trainer.history[-1]["step"] != trainer.step:
+        tau = evaluate()
+    checkpoint()
+    export = build_drafter(drafter.config)  # a copy to cast: the checkpoint keeps float32
+    export.load_weights(list(tree_flatten(drafter.parameters())))
+    export.set_dtype(getattr(mx, DTYPES[args.dtype]))
+    save_drafter(export, out)
+    write_card(out, args, drafter.config, trainer, cache, extraction)
+    log(f"{trainer.step} steps in {trainer.elapsed:.0f} s; held-out τ {tau}; wrote {out}")
+    return out
+
+
+def write_card(out: Path, args: TrainArgs, config, trainer, cache, extraction: Optional[Dict]) -> None:
+    """README.md: what the drafter is for, what it was trained on, how long, and the held-out τ."""
+    from mlx.utils import tree_flatten
+
+    params = sum(v.size for k, v in tree_flatten(trainer.drafter.trainable_parameters()))
+    d = cache.meta.get("data", {})
+    ext = cache.meta.get("extraction") or extraction or {}
+    taus = "\n".join(f"| {h['step']} | {h['tau']:.3f} | {h['passes']} |" for h in trainer.history)
+    hours = trainer.elapsed / 3600
+    text = f"""# DFlash drafter for `{Path(args.target).name}`
+
+Trained with `dflash-mlx train` (dflash-mlx). Load it with `dflash_mlx.load(TARGET, drafter=THIS_DIR)` or
+`dflash-mlx generate --model TARGET --draft THIS_DIR`.
+
+| | |
+|---|---|
+| target | `{args.target}` ({config.num_target_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}) |
+| drafter | {config.num_hidden_layers} layers, block size {config.block_size}, taps {config.target_layer_ids}, \
+mask token {config.mask_token_id}, {'draft vocab ' + str(config.draft_vocab_size) if config.draft_vocab_size else 'full vocab'}, \
+{params / 1e6:.1f} M trained parameters, saved as {args.dtype} |
+| data | {', '.join(d.get('sources', args.data))}: {d.get('files', '?')} files, {d.get('documents', '?')} documents, \
+{cache.rows} rows x {cache.seq_len} tokens, {d.get('trainable_tokens', '?')} trainable{', answers generated by the target' if d.get('regenerated') else ''}; \
+{len(cache.eval_prompts)} held-out documents for τ |
+| features | {ext.get('tokens', '?')} tokens in {ext.get('seconds', 0):.0f} s |
+| training | {trainer.step} steps, {args.rows} row(s) x {args.anchors} anchors per step, lr {args.lr} (warmup + cosine), \
+γ {trainer.gamma:.2f}, KL weight {args.kl}; {trainer.elapsed:.0f} s ({hours:.2f} h); {trainer.context_tokens} context tokens, \
+{trainer.predicted} predicted slots seen |
+
+Held-out τ (greedy DFlash with the engine's own loop, {args.eval_tokens} new tokens per prompt):
+
+| step | τ | verify passes |
+|---|---|---|
+{taus}
+
+Command:
+
+    {args.command_line()}
+"""
+    (Path(out) / "README.md").write_text(text)
+
+
+# -- CLI -------------------------------------------------------------------------------------------------------------
+def _ints(text: Optional[str]) -> Optional[List[int]]:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DFlashError(f"--target-layers takes comma-separated integers, got {text!r}") from None
+
+
+def train_command(
+    target: str = typer.Option(..., "--target", "-t", help="Target: local mlx-lm dir, offline "
+                                             "model name (see 'dflash-mlx models') or hub repo id."),
+    data: Optional[List[str]] = typer.Option(None, "--data", help="Training data: files, directories "
+                                                           "or globs (text/code, or .jsonl chats); repeatable."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output drafter directory."),
+    cache: Optional[Path] = typer.Option(None, "--cache", help="Feature cache dir (default OUT/features)."),
+    steps: int = typer.Option(2000, "--steps", help="Optimizer steps."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, warmup + cosine)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Warmup steps (default 5%)."),
+    block_size: int = typer.Option(16, "--block-size", help="Block size B."),
+    num_layers: int = typer.Option(5, "--num-layers", help="Draft layers (also the number of taps)."),
+    target_layers: Optional[str] = typer.Option(None, "--target-layers", help="Tapped target layers, "
+                                                              "e.g. 1,9,17 (default: spread evenly)."),
+    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="Draft MLP "
+                                                                  "width (default: the target's)."),
+    anchors: int = typer.Option(64, "--anchors", help="Blocks per row per step."),
+    rows: int = typer.Option(1, "--rows", help="Rows (packed sequences) per step."),
+    seq_len: int = typer.Option(1024, "--seq-len", help="Tokens per row."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Slot weight decay γ (default 7 for "
+                                                        "B=16, 5 for 10, 4 for 8)."),
+    kl: float = typer.Option(0.0, "--kl", help="Weight of the target's top-k distribution in the "
+                                           "loss (0..1; rest: cross-entropy on the data)."),
+    kl_topk: int = typer.Option(8, "--kl-topk", help="Target top-k cached per token (0: none)."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Reduced draft "
+                                                            "vocabulary: the N most frequent tokens of the data."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Mask token (default: "
+                                                              "an unused special token)."),
+    max_data_tokens: Optional[int] = typer.Option(None, "--max-data-tokens", help="Read at most "
+                                                                "this many tokens of data."),
+    regenerate: int = typer.Option(0, "--regenerate", help="Let the target answer every prompt "
+                                                 "itself, up to N tokens (0: train on the data as is)."),
+    gen_batch: int = typer.Option(16, "--gen-batch", help="Prompts per batch for --regenerate."),
+    eval_prompts: int = typer.Option(4, "--eval-prompts", help="Held-out documents for τ."),
+    eval_every: int = typer.Option(200, "--eval-every", help="Measure held-out τ every N steps."),
+    eval_tokens: int = typer.Option(64, "--eval-tokens", help="New tokens per held-out prompt."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Checkpoint every N steps."),
+    seed: int = typer.Option(0, "--seed", help="Seed for data order, anchors and initialization."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Saved drafter dtype: fp32, bf16, fp16."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out (its saved "
+                                              "options apply)."),
+):
+    """Train a DFlash drafter for a target: cache its features once, then train (resumable)."""
+    if dtype not in DTYPES:
+        raise DFlashError(f"--dtype {dtype!r} is not one of fp32, bf16, fp16")
+    args = TrainArgs(target=target, out=str(out), data=list(data or []), cache=str(cache) if cache else None,
+                     steps=steps, lr=lr, warmup=warmup, block_size=block_size, num_layers=num_layers,
+                     target_layers=_ints(target_layers), intermediate_size=intermediate_size, anchors=anchors,
+                     rows=rows, seq_len=seq_len, gamma=gamma, kl=kl, kl_topk=kl_topk, draft_vocab=draft_vocab,
+                     mask_token_id=mask_token_id, max_data_tokens=max_data_tokens, regenerate=regenerate,
+                     gen_batch=gen_batch, eval_prompts=eval_prompts, eval_every=eval_every, eval_tokens=eval_tokens,
+                     checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
+    if kl > 0 and kl_topk <= 0:
+        raise DFlashError("--kl needs --kl-topk > 0")
+    run(args, resume=resume)
