@@ -206,7 +206,7 @@ def hf_name(gguf_name: str, spec: ArchSpec) -> Optional[str]:
                       f"'{spec.model_type}'; this file is not a layout the converter knows")
 
 
-def convert_tensor(gguf: GGUFFile, tensor, spec: ArchSpec, config: Dict[str, Any]) -> np.ndarray:
+def convert_tensor(tensor, spec: ArchSpec, config: Dict[str, Any]) -> np.ndarray:
     """Dequantize one tensor and undo llama.cpp's layout changes."""
     w = dequantize(tensor)
     base = tensor.name.rpartition(".")[0]
@@ -229,7 +229,7 @@ def read_weights(gguf: GGUFFile, spec: ArchSpec, config: Dict[str, Any], dtype: 
         name = hf_name(tensor.name, spec)
         if name is None:
             continue
-        w = mx.array(convert_tensor(gguf, tensor, spec, config)).astype(getattr(mx, dtype))
+        w = mx.array(convert_tensor(tensor, spec, config)).astype(getattr(mx, dtype))
         mx.eval(w)  # materialize now so the numpy temporaries are freed tensor by tensor
         weights[name] = w
     return weights
