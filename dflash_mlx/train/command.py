@@ -41,12 +41,12 @@ class TrainArgs:
     num_layers: int = 5
     target_layers: Optional[List[int]] = None
     intermediate_size: Optional[int] = None
-    anchors: int = 64
+    anchors: int = 32
     rows: int = 1
-    seq_len: int = 1024
+    seq_len: int = 512
     gamma: Optional[float] = None
     kl: float = 0.0
-    kl_topk: int = 8
+    kl_topk: Optional[int] = None  # default: 8 with --kl, else 0 (the target's logits are then never computed)
     draft_vocab: Optional[int] = None
     mask_token_id: Optional[int] = None
     max_data_tokens: Optional[int] = None
@@ -84,6 +84,12 @@ class TrainArgs:
             else:
                 parts += [flag, shlex.quote(str(value))]
         return " ".join(parts)
+
+    def __post_init__(self):
+        if self.kl_topk is None:
+            self.kl_topk = 8 if self.kl > 0 else 0
+        if self.kl > 0 and self.kl_topk <= 0:
+            raise DFlashError("--kl needs --kl-topk > 0")
 
     @property
     def cache_dir(self) -> Path:
@@ -362,14 +368,15 @@ def train_command(
                                                               "e.g. 1,9,17 (default: spread evenly)."),
     intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="Draft MLP "
                                                                   "width (default: the target's)."),
-    anchors: int = typer.Option(64, "--anchors", help="Blocks per row per step."),
+    anchors: int = typer.Option(32, "--anchors", help="Blocks per row per step."),
     rows: int = typer.Option(1, "--rows", help="Rows (packed sequences) per step."),
-    seq_len: int = typer.Option(1024, "--seq-len", help="Tokens per row."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per row (context length trained on)."),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Slot weight decay γ (default 7 for "
                                                         "B=16, 5 for 10, 4 for 8)."),
     kl: float = typer.Option(0.0, "--kl", help="Weight of the target's top-k distribution in the "
                                            "loss (0..1; rest: cross-entropy on the data)."),
-    kl_topk: int = typer.Option(8, "--kl-topk", help="Target top-k cached per token (0: none)."),
+    kl_topk: Optional[int] = typer.Option(None, "--kl-topk", help="Target top-k cached per token (default 8 with "
+                                          "--kl, else 0)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Reduced draft "
                                                             "vocabulary: the N most frequent tokens of the data."),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Mask token (default: "
@@ -398,6 +405,4 @@ def train_command(
                      mask_token_id=mask_token_id, max_data_tokens=max_data_tokens, regenerate=regenerate,
                      gen_batch=gen_batch, eval_prompts=eval_prompts, eval_every=eval_every, eval_tokens=eval_tokens,
                      checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
-    if kl > 0 and kl_topk <= 0:
-        raise DFlashError("--kl needs --kl-topk > 0")
     run(args, resume=resume)

@@ -2,20 +2,20 @@
 
 Inference drafts one block after a growing context cache (`DFlashDrafter.__call__`). Training places A blocks in
 one row of S context tokens and runs them together: the context K/V of every layer are computed once for the whole
-row (positions 0..S-1), the blocks' queries and keys are rotated at their own positions a..a+B-1, and
-`masks.block_mask` keeps each block to the context before its anchor and to itself. Every projection, norm and
-RoPE is the drafter's module, so trained weights load into `DFlashDrafter` unchanged, and one block's output
-equals the inference forward on the same context (tests/test_train.py).
+row (positions 0..S-1), the blocks' queries and keys are rotated at their own positions a..a+B-1, and each
+block attends to the context before its anchor and to itself (`masks.py`), in one softmax per query. Every
+projection, norm and RoPE is the drafter's module, so trained weights load into `DFlashDrafter` unchanged, and one
+block's output equals the inference forward on the same context (tests/test_train.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 
 from ..drafter import DFlashDrafter, DraftAttention
-from .masks import block_mask
+from .masks import context_mask, slot_mask
 
 
 def _context_kv(attn: DraftAttention, ctx: mx.array):
@@ -27,28 +27,43 @@ def _context_kv(attn: DraftAttention, ctx: mx.array):
 
 
 def _block_attention(attn: DraftAttention, x: mx.array, ctx_k: mx.array, ctx_v: mx.array, anchors: mx.array,
-                     mask: mx.array) -> mx.array:
-    # x: [R, A*B, H] normed block inputs; anchors [R, A]; mask [R, 1, A*B, S + A*B].
+                     ctx_mask: mx.array, slots: Optional[mx.array]) -> mx.array:
+    """Attention of every block over [its visible context, its own slots], as one softmax per query.
+
+    Scores are computed against the S context keys (masked per anchor) and the block's own B keys only, never
+    against other blocks: S + B columns per query instead of S + A*B.
+    x: [R, A*B, H] normed block inputs; ctx_mask: [R, A, S]; slots: [B, B] in-block mask (None: bidirectional).
+    """
     R, AB, _ = x.shape
     A = anchors.shape[1]
     B = AB // A
+    nH, nKV = attn.n_heads, attn.n_kv_heads
+    G = nH // nKV  # GQA: query heads kv*G .. kv*G+G-1 share kv head kv
 
     def heads(y: mx.array, n: int) -> mx.array:  # [R, A*B, n*hd] -> [R*A, n, B, hd]
         return y.reshape(R * A, B, n, -1).transpose(0, 2, 1, 3)
 
-    def rows(y: mx.array) -> mx.array:  # [R*A, n, B, hd] -> [R, n, A*B, hd]
-        n, hd = y.shape[1], y.shape[3]
-        return y.reshape(R, A, n, B, hd).transpose(0, 2, 1, 3, 4).reshape(R, n, AB, hd)
-
-    q = attn.q_norm(heads(attn.q_proj(x), attn.n_heads))  # q/k norms act on each head vector
-    k = attn.k_norm(heads(attn.k_proj(x), attn.n_kv_heads))
-    v = heads(attn.v_proj(x), attn.n_kv_heads)
+    q = attn.q_norm(heads(attn.q_proj(x), nH))  # q/k norms act on each head vector
+    k = attn.k_norm(heads(attn.k_proj(x), nKV))
+    v = heads(attn.v_proj(x), nKV)
     offsets = anchors.reshape(-1)  # one RoPE offset per block: slot i sits at anchor + i
-    q, k = rows(attn.rope(q, offset=offsets)), rows(attn.rope(k, offset=offsets))
-    keys = mx.concatenate([ctx_k, k], axis=2)
-    values = mx.concatenate([ctx_v, rows(v)], axis=2)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(R, AB, -1))
+    q, k = attn.rope(q, offset=offsets) * attn.scale, attn.rope(k, offset=offsets)
+    hd = q.shape[-1]
+    q = q.reshape(R * A, nKV, G * B, hd)  # rows (g, i) per kv head
+    s_blk = (q @ k.swapaxes(-1, -2)).reshape(R, A, nKV, G * B, B).transpose(0, 2, 1, 3, 4)  # [R, nKV, A, GB, B]
+    q_rows = q.reshape(R, A, nKV, G * B, hd).transpose(0, 2, 1, 3, 4).reshape(R, nKV, A * G * B, hd)
+    S = ctx_k.shape[2]
+    s_ctx = (q_rows @ ctx_k.swapaxes(-1, -2)).reshape(R, nKV, A, G * B, S)
+    s_ctx = mx.where(ctx_mask[:, None, :, None, :], s_ctx, -mx.inf)
+    if slots is not None:
+        s_blk = mx.where(mx.tile(slots, (G, 1)), s_blk, -mx.inf)
+    p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
+    o_ctx = p[..., :S].reshape(R, nKV, A * G * B, S) @ ctx_v  # [R, nKV, A*G*B, hd]
+    p_blk = p[..., S:].transpose(0, 2, 1, 3, 4).reshape(R * A, nKV, G * B, B)
+    o_blk = (p_blk @ v).reshape(R, A, nKV, G * B, hd).transpose(0, 2, 1, 3, 4)  # [R, nKV, A, GB, hd]
+    out = o_ctx.reshape(R, nKV, A, G, B, hd) + o_blk.reshape(R, nKV, A, G, B, hd)
+    out = out.transpose(0, 2, 4, 1, 3, 5).reshape(R, AB, nH * hd)  # head index kv*G + g, as the o_proj expects
+    return attn.o_proj(out)
 
 
 def block_hidden(drafter: DFlashDrafter, embed: Callable[[mx.array], mx.array], features: mx.array,
@@ -72,8 +87,9 @@ def block_hidden(drafter: DFlashDrafter, embed: Callable[[mx.array], mx.array], 
         attn = layer.self_attn
         key = (attn.sliding_window, attn.block_causal)
         if key not in masks:
-            masks[key] = block_mask(anchors, S, B, attn.sliding_window, attn.block_causal)
+            slots = slot_mask(B, causal=True) if attn.block_causal else None
+            masks[key] = (context_mask(anchors, S, attn.sliding_window), slots)
         ctx_k, ctx_v = _context_kv(attn, ctx)
-        h = x + _block_attention(attn, layer.input_layernorm(x), ctx_k, ctx_v, anchors, masks[key])
+        h = x + _block_attention(attn, layer.input_layernorm(x), ctx_k, ctx_v, anchors, *masks[key])
         x = h + layer.mlp(layer.post_attention_layernorm(h))
     return drafter.norm(x.reshape(R, A, B, -1)[:, :, 1:])

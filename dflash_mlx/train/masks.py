@@ -2,9 +2,12 @@
 
 A training row is one packed sequence of S tokens. Each anchor a in it makes a block [token a, MASK x (B-1)] at
 positions a..a+B-1, exactly what the drafter sees at inference when the committed context ends at a-1 (the token at
-a is the last committed one, not yet in the draft cache). The attention mask over keys [context 0..S-1, all blocks]
-lets a block see the context strictly before its anchor and its own B slots (bidirectionally), nothing else.
-Recipe: dflash-reference.md section 5.
+a is the last committed one, not yet in the draft cache). A block sees the context strictly before its anchor and
+its own B slots (bidirectionally), nothing else: never another block. Recipe: dflash-reference.md section 5.
+
+The mask factors into a context part (`context_mask`, per anchor) and an in-block part (`slot_mask`, the same for
+every block); `forward.py` uses the factors so no block pays for the others' keys. `block_mask` assembles the
+dense mask over keys [context, all blocks] that the factors stand for.
 """
 
 from __future__ import annotations
@@ -35,24 +38,32 @@ def sample_anchors(rng: np.random.Generator, trainable: np.ndarray, num_anchors:
     return np.sort(picked).astype(np.int32)
 
 
+def context_mask(anchors: mx.array, context_len: int, sliding_window: Optional[int] = None) -> mx.array:
+    """[R, A, S]: block a may see context position p iff p < anchor (and, on a sliding layer, within the window:
+    at most `sliding_window - 1` keys, as the inference cache keeps)."""
+    pos = mx.arange(context_len)[None, None]
+    anchor = anchors[:, :, None]
+    sees = pos < anchor
+    if sliding_window is not None:
+        sees = sees & (pos >= anchor - (sliding_window - 1))
+    return sees
+
+
+def slot_mask(block_size: int, causal: bool = False) -> mx.array:
+    """[B, B]: slot i may see slot j of its own block (all of them, or j <= i on a causal sliding layer)."""
+    i = mx.arange(block_size)
+    return (i[None, :] <= i[:, None]) if causal else mx.ones((block_size, block_size), dtype=mx.bool_)
+
+
 def block_mask(anchors: mx.array, context_len: int, block_size: int, sliding_window: Optional[int] = None,
                block_causal: bool = False) -> mx.array:
-    """Boolean mask [R, 1, A*B, S + A*B] (True: may attend) for anchors [R, A] over keys [context, blocks].
-
-    `sliding_window` and `block_causal` reproduce a sliding draft layer: at most `sliding_window - 1` context keys
-    and, if causal, slot i sees block slots 0..i only.
-    """
+    """Dense boolean mask [R, 1, A*B, S + A*B] (True: may attend) for anchors [R, A] over keys [context, blocks]."""
     R, A = anchors.shape
-    B, S = block_size, context_len
-    anchor = mx.repeat(anchors, B, axis=1)[:, :, None]  # [R, A*B, 1]: the anchor of each query
-    pos = mx.arange(S)[None, None]
-    sees_ctx = pos < anchor
-    if sliding_window is not None:
-        sees_ctx = sees_ctx & (pos >= anchor - (sliding_window - 1))
+    B = block_size
+    sees_ctx = mx.repeat(context_mask(anchors, context_len, sliding_window), B, axis=1)  # [R, A*B, S]
     block_of = mx.arange(A * B) // B
-    sees_blk = block_of[:, None] == block_of[None, :]  # [A*B, A*B]
-    if block_causal:
-        slot = mx.arange(A * B) % B
-        sees_blk = sees_blk & (slot[None, :] <= slot[:, None])
+    slot = mx.arange(A * B) % B
+    same = block_of[:, None] == block_of[None, :]
+    sees_blk = same & slot_mask(B, block_causal)[slot[:, None], slot[None, :]]
     sees_blk = mx.broadcast_to(sees_blk[None], (R, A * B, A * B))
     return mx.concatenate([sees_ctx, sees_blk], axis=-1)[:, None]

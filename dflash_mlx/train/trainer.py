@@ -42,7 +42,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     rows_per_step: int = 1
-    anchors: int = 64
+    anchors: int = 32
     gamma: Optional[float] = None  # default: default_gamma(block_size)
     kl: float = 0.0
     seed: int = 0
