@@ -108,3 +108,20 @@ def test_real_model_dflash_equals_mlx_lm_greedy(name):
         pytest.skip(f"DFlash does not support {model.model_type} targets yet")
     text = _check_lossless(model, tokenizer, max_tokens=48)
     assert len(set(text.split())) > 5, f"converted {name} writes nonsense: {text!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_smollm2_dflash_equals_mlx_lm_greedy(bits):
+    # mlx-lm re-quantization of the GGUF weights; full-block oracle verifies (README: the quantized contract).
+    model, tokenizer = mlx_lm_load(str(ensure_offline_model("smollm2-135m", q_bits=bits, progress=False,
+                                                            quiet=True)))
+    for text in (PROMPT, "Tell me a short story about a robot."):
+        ids = _prompt_ids(tokenizer, text)
+        ref = _mlx_lm_greedy(model, ids, 64)
+        for block in (4, 16):
+            oracle = OracleDrafter(ids + ref, vocab_size=model.args.vocab_size, block_size=block)
+            ours = [t for c in dflash_generate_step(mx.array(ids), TargetModel(model), oracle, max_tokens=64)
+                    for t in c.tokens]
+            assert ours == ref, f"{bits}-bit, B={block}: first difference at " \
+                                f"{next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)}"
