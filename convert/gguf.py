@@ -26,7 +26,8 @@ from dflash_mlx.errors import DFlashError
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
-# ggml types `gguf.quants.dequantize` handles and we have checked (tests/test_gguf.py); others fail clearly.
+# ggml types we convert, all dequantized by `gguf.quants` (tests/test_gguf.py: Q4_K and Q6_K against an
+# independent decoder, the others against numpy round trips); anything else fails with one clear line.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 

@@ -68,8 +68,8 @@ def _add_tokenizer(w):
 
 
 # -- dequantization -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("qtype,tol", [(T.F32, 0.0), (T.F16, 1e-3), (T.Q8_0, 0.02), (T.Q5_0, 0.1),
-                                       (T.Q4_0, 0.2), (T.Q4_1, 0.2)])
+@pytest.mark.parametrize("qtype,tol", [(T.F32, 0.0), (T.F16, 1e-3), (T.BF16, 1e-2), (T.Q8_0, 0.02),
+                                       (T.Q5_0, 0.1), (T.Q5_1, 0.1), (T.Q4_0, 0.2), (T.Q4_1, 0.2)])
 def test_dequantize_round_trip(tmp_path, qtype, tol):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 96)).astype(np.float32)
@@ -118,6 +118,20 @@ def test_q6_k_against_independent_reference(tmp_path):
         expected[:, base + 96:base + 128] = (lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)
     f = GGUFFile(_write(tmp_path / "k6.gguf", "llama", {"w": (raw, T.Q6_K)}, tokenizer=False))
     np.testing.assert_array_equal(dequantize(f.tensors["w"]), expected - 32)
+
+
+@pytest.mark.parametrize("qtype,size,scale_at", [(T.Q2_K, 84, (80, 82)), (T.Q3_K, 110, (108,)),
+                                                 (T.Q5_K, 176, (0, 2))])
+def test_other_k_quants_match_gguf(tmp_path, qtype, size, scale_at):
+    # Random blocks with finite fp16 scales: file reading, row chunking and shapes around gguf's own decoder.
+    raw = np.random.default_rng(4).integers(0, 256, (5, 2 * size), dtype=np.uint8)
+    for block in range(2):
+        for at in scale_at:
+            raw[:, block * size + at:block * size + at + 2] = _f16(0.01)
+    f = GGUFFile(_write(tmp_path / "k.gguf", "llama", {"w": (raw, qtype)}, tokenizer=False))
+    got = dequantize(f.tensors["w"], rows_per_chunk=2)
+    assert got.shape == (5, 512) and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, qtype))
 
 
 def _llama_cpp_permute(w, n_head):
