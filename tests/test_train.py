@@ -53,7 +53,7 @@ def test_sample_anchors_respects_bounds_and_label_mask():
     assert len(sample_anchors(rng, np.ones(4, np.uint8), 3, 4)) == 0  # no block fits
 
 
-# -- training forward == inference forward -----------------------------------------------------------------------------
+# -- training forward == inference forward ---------------------------------------------------------------------------
 def _features(t, tokens):
     _, hidden = t(mx.array(tokens)[None])
     return hidden
@@ -87,7 +87,7 @@ def test_training_forward_equals_inference_forward(variant):
         assert mx.abs(train_logits[i] - ref).max().item() < 1e-5, (variant, a)
 
 
-# -- loss ----------------------------------------------------------------------------------------------------------------
+# -- loss ------------------------------------------------------------------------------------------------------------
 def test_slot_weights_follow_the_recipe():
     assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
     w = slot_weights(16)
@@ -116,7 +116,7 @@ def test_block_loss_weights_slots_and_skips_unlabelled():
     assert loss2.item() == pytest.approx(0.5 * loss.item() + 0.5 * ce1, rel=1e-4)
 
 
-# -- a feature cache of a tiny target -------------------------------------------------------------------------------------
+# -- a feature cache of a tiny target --------------------------------------------------------------------------------
 ROWS, SEQ = 12, 48
 
 
@@ -204,7 +204,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, tiny_cache):
     assert second.predicted == full.predicted
 
 
-# -- reduced vocabulary ----------------------------------------------------------------------------------------------------
+# -- reduced vocabulary ----------------------------------------------------------------------------------------------
 def test_select_vocab_and_maps():
     tokens = np.array([[5, 5, 5, 9, 9, 3, 1, 1, 1, 1]])
     ids = select_vocab(tokens, np.ones_like(tokens), 3, 20, always=[17])
@@ -245,7 +245,7 @@ def test_reduced_vocab_drafter_round_trips_and_drafts_target_ids(tmp_path, tiny_
     assert set(np.array(mx.argmax(logits, -1)).ravel().tolist()) <= set(ids.tolist())
 
 
-# -- data ------------------------------------------------------------------------------------------------------------------
+# -- data ------------------------------------------------------------------------------------------------------------
 def test_record_formats():
     assert record_messages({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}) \
         == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
@@ -269,7 +269,7 @@ def test_chat_documents_train_only_on_assistant_turns(tmp_path):
     assert tokens.shape[1] == 16 and trainable.shape == tokens.shape
 
 
-# -- the command, end to end -----------------------------------------------------------------------------------------------
+# -- the command, end to end -----------------------------------------------------------------------------------------
 def test_train_command_end_to_end(tmp_path):
     from dflash_mlx import load
     from dflash_mlx.cli import main
