@@ -253,6 +253,14 @@ def test_record_formats():
     assert record_messages({"text": "x"}) is None
 
 
+def test_truncated_json_array_yields_its_complete_records(tmp_path):
+    from dflash_mlx.train.data import _records
+
+    file = tmp_path / "dump.json"
+    file.write_text('[{"text": "a"}, {"text": "b"},\n {"text": "c')
+    assert [r["text"] for r in _records(file)] == ["a", "b"]
+
+
 def test_chat_documents_train_only_on_assistant_turns(tmp_path):
     from dflash_mlx.demo import make_tiny_pair
     from mlx_lm.tokenizer_utils import load as load_tokenizer

@@ -71,11 +71,29 @@ def collect_files(specs: Sequence[str], extensions: Sequence[str] = TEXT_EXTENSI
     return [found[k] for k in sorted(found)]
 
 
+def _json_items(text: str) -> Iterator[dict]:
+    """The elements of a top-level JSON array one by one; a truncated tail (as in some dataset dumps) just ends it."""
+    decoder = json.JSONDecoder()
+    i, n = text.index("[") + 1, len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return
+        yield item
+
+
 def _records(path: Path) -> Iterator[dict]:
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix.lower() == ".json":
-        data = json.loads(text)
-        yield from (data if isinstance(data, list) else [data])
+        if text.lstrip().startswith("["):
+            yield from _json_items(text)
+        else:
+            yield json.loads(text)
         return
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
