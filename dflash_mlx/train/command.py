@@ -216,7 +216,8 @@ def _setup(args: TrainArgs, resume: bool, log):
                           "it or choose another --out")
     if resume:
         if checkpoint is None:
-            raise DFlashError(f"nothing to resume in '{out}' (no {out}/train_state/latest.json)")
+            raise DFlashError(f"nothing to resume in '{out}' (no checkpoint yet); run the same command without "
+                              "--resume: an interrupted feature extraction continues by itself")
         saved = json.loads((checkpoint / "trainer.json").read_text())
         args = TrainArgs(**dict(saved["args"], progress=args.progress))
         log(f"resuming {checkpoint} (step {saved['step']} of {args.steps}) with its saved options")
