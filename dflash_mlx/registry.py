@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from .errors import DFlashError
 
@@ -54,16 +54,16 @@ def find(name: str) -> Optional[RegistryEntry]:
     return lowered.get(name.lower())
 
 
-def suggest(name: str, n: int = 3) -> List[str]:
-    lowered = {k.lower(): k for k in entries()}
+def suggest(name: str, n: int = 3, also: Iterable[str] = ()) -> List[str]:
+    lowered = {k.lower(): k for k in [*entries(), *also]}
     return [lowered[m] for m in difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.5)]
 
 
-def resolve(name: str, quant: Optional[str] = None) -> Resolved:
-    """Resolve a short name to repos, or raise a DFlashError that suggests close names."""
+def resolve(name: str, quant: Optional[str] = None, also: Iterable[str] = ()) -> Resolved:
+    """Resolve a short name to repos, or raise a DFlashError that suggests close names (`also` joins them)."""
     entry = find(name)
     if entry is None:
-        close = suggest(name)
+        close = suggest(name, also=also)
         hint = f"; did you mean {', '.join(close)}?" if close else "; run 'dflash-mlx models' to list them"
         raise DFlashError(f"'{name}' is not a known model name{hint}")
     quant = quant or entry.default_quant

@@ -1,5 +1,8 @@
 """Shared test setup: make `tiny` importable however pytest is invoked, and keep hypothesis offline and quick."""
 
+# dflash_mlx first: on Linux it loads OpenBLAS for MLX, which only works before anything imports mlx.
+import dflash_mlx  # noqa: F401  isort: skip
+
 import os
 import sys
 
