@@ -141,3 +141,25 @@ def test_console_script_exit_code_and_help(pair):
     done = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "--help"], capture_output=True, text=True)
     assert done.returncode == 0
     assert "generate" in done.stdout and "convert" in done.stdout
+
+
+def test_chat_subcommand_runs_a_stdin_script(pair, tmp_path, capsys, monkeypatch):
+    import io
+
+    saved = tmp_path / "conv.json"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"hi\n/stats\nsecond turn\n/save {saved}\n/quit\n"))
+    code, out, err = _run(capsys, "chat", "--model", str(pair[0]), "--draft", str(pair[1]), "--max-tokens", "6")
+    assert code == 0, err
+    assert "tau" in out and "saved 4 messages" in out
+    assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == ["user", "assistant"] * 2
+
+
+def test_models_lists_offline_models_and_published_pairs(capsys):
+    code, out, _ = _run(capsys, "models")
+    assert code == 0
+    assert "smollm2-135m" in out and "Qwen3.5-9B" in out and "z-lab/Qwen3.5-9B-DFlash" in out
+
+
+def test_unknown_registry_name_suggests(pair, capsys):
+    code, _, err = _run(capsys, "generate", "--model", "Qwen3.5-8B", "--prompt", "x")
+    _assert_one_line_error(code, err, "did you mean", "Qwen3.5-9B")
