@@ -43,8 +43,9 @@ class DraftAttention(qwen3.Attention):
     def __init__(self, config: DFlashConfig, sliding: bool):
         super().__init__(_qwen3_args(config))
         self.sliding_window = config.sliding_window if sliding else None
-        # Sliding layers are causal inside the block unless the checkpoint says otherwise.
-        self.block_causal = sliding and config.is_causal is not False
+        # As in the reference: sliding layers are causal inside the block unless `is_causal` says otherwise,
+        # and an explicit `is_causal` applies to every layer.
+        self.block_causal = sliding if config.is_causal is None else bool(config.is_causal)
 
     def append_context(self, ctx: mx.array, cache: KVCache) -> None:
         """Store K/V of newly committed context features [1, S, H] at their absolute positions."""
@@ -62,15 +63,23 @@ class DraftAttention(qwen3.Attention):
         v = self.v_proj(x).reshape(1, B, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.rope(q, offset=start), self.rope(k, offset=start)
         ctx_k, ctx_v = cache.keys_and_values()
+        first = 0
         if self.sliding_window is not None:
-            keep = max(start - (self.sliding_window - 1), 0)
-            ctx_k, ctx_v = ctx_k[:, :, keep:], ctx_v[:, :, keep:]
+            first = max(start - (self.sliding_window - 1), 0)  # the oldest context key slot 0 can see
+            ctx_k, ctx_v = ctx_k[:, :, first:], ctx_v[:, :, first:]
         keys = mx.concatenate([ctx_k, k], axis=2)
         values = mx.concatenate([ctx_v, v], axis=2)
         mask = None
-        if self.block_causal:
-            n_ctx = ctx_k.shape[2]
-            mask = (mx.arange(n_ctx + B)[None] - n_ctx) <= mx.arange(B)[:, None]
+        if self.sliding_window is not None or self.block_causal:
+            n_ctx = start - first
+            slot = mx.arange(B)[:, None]
+            col = mx.arange(n_ctx + B)[None]
+            # Context: slot i (position start+i) sees positions above start+i-W; block: all slots or j <= i.
+            sees_ctx = col < n_ctx
+            if self.sliding_window is not None:
+                sees_ctx = sees_ctx & (first + col > start + slot - self.sliding_window)
+            sees_blk = (col >= n_ctx) & ((col - n_ctx <= slot) if self.block_causal else True)
+            mask = sees_ctx | sees_blk
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 

@@ -66,14 +66,15 @@ def reference_logits(P, cfg, embed, head, features, block_ids):
         kc, vc = kv(ctx, ctx_pos)
         kb, vb = kv(a, blk_pos)
         sliding = layer_type == "sliding_attention"
-        if sliding:
-            keep = cfg.sliding_window - 1
-            kc, vc = kc[max(S - keep, 0):], vc[max(S - keep, 0):]
         K, V = np.concatenate([kc, kb]), np.concatenate([vc, vb])
-        n_ctx = kc.shape[0]
-        allowed = np.ones((B, n_ctx + B), dtype=bool)
-        if sliding and cfg.is_causal is not False:
-            allowed[:, n_ctx:] = np.tril(np.ones((B, B), dtype=bool))
+        allowed = np.ones((B, S + B), dtype=bool)
+        if sliding:
+            # A sliding window over absolute positions for the context: the query at S+i sees context keys
+            # above S+i-W (the block's own keys are not windowed, as in the reference).
+            allowed[:, :S] &= ctx_pos[None, :] > (blk_pos[:, None] - cfg.sliding_window)
+        causal = sliding if cfg.is_causal is None else cfg.is_causal
+        if causal:
+            allowed[:, S:] &= np.tril(np.ones((B, B), dtype=bool))
         out = np.zeros((B, nH, hd))
         for h in range(nH):
             g = h // (nH // nKV)  # GQA: consecutive query heads share a KV head
@@ -197,14 +198,26 @@ def test_draft_step_leaves_context_cache_unchanged():
     np.testing.assert_allclose(nxt, ref, atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("is_causal", [None, False])
+@pytest.mark.parametrize("is_causal", [None, False, True])
 @pytest.mark.parametrize("S", [2, 9])
 def test_sliding_attention_layer(is_causal, S):
-    # window 4: at most 3 context keys; causal inside the block unless is_causal is false.
+    # window 4 over absolute positions (slot i sees 3 - i context keys once the context is long enough);
+    # causal inside the block unless is_causal is false.
     drafter, embed, head = _setup(layer_types=["sliding_attention", "full_attention"], sliding_window=4,
                                   is_causal=is_causal)
     feats = _features(drafter, S, seed=S)
     _check(drafter, embed, head, feats, _block(drafter, 5), chunks=[feats[: S // 2], feats[S // 2:]])
+
+
+def test_is_causal_applies_to_full_attention_layers_too():
+    drafter, embed, head = _setup(is_causal=True)
+    feats = _features(drafter, 6)
+    causal, _ = _check(drafter, embed, head, feats, _block(drafter, 5))
+    drafter.config.is_causal = None
+    for layer in drafter.layers:
+        layer.self_attn.block_causal = False
+    bidirectional, _ = _check(drafter, embed, head, feats, _block(drafter, 5))
+    assert np.abs(causal - bidirectional).max() > 1e-3
 
 
 def test_sliding_layer_really_differs_from_full():

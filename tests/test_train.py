@@ -39,7 +39,8 @@ def test_block_mask_sees_context_before_anchor_and_own_block():
 
 def test_block_mask_sliding_and_causal():
     m = np.array(block_mask(mx.array([[6]]), 8, 3, sliding_window=3, block_causal=True))[0, 0]
-    assert m[:, :8].tolist() == [[p in (4, 5) for p in range(8)]] * 3  # window-1 = 2 context keys
+    # The window runs over absolute positions: slot i (position 6+i) sees context above 6+i-3.
+    assert m[:, :8].tolist() == [[p in (4, 5) for p in range(8)], [p == 5 for p in range(8)], [False] * 8]
     assert m[:, 8:].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
 
 

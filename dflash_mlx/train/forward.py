@@ -32,7 +32,7 @@ def _block_attention(attn: DraftAttention, x: mx.array, ctx_k: mx.array, ctx_v: 
 
     Scores are computed against the S context keys (masked per anchor) and the block's own B keys only, never
     against other blocks: S + B columns per query instead of S + A*B.
-    x: [R, A*B, H] normed block inputs; ctx_mask: [R, A, S]; slots: [B, B] in-block mask (None: bidirectional).
+    x: [R, A*B, H] normed block inputs; ctx_mask: [R, A, B or 1, S]; slots: [B, B] in-block mask (None: bidirectional).
     """
     R, AB, _ = x.shape
     A = anchors.shape[1]
@@ -54,7 +54,9 @@ def _block_attention(attn: DraftAttention, x: mx.array, ctx_k: mx.array, ctx_v: 
     q_rows = q.reshape(R, A, nKV, G * B, hd).transpose(0, 2, 1, 3, 4).reshape(R, nKV, A * G * B, hd)
     S = ctx_k.shape[2]
     s_ctx = (q_rows @ ctx_k.swapaxes(-1, -2)).reshape(R, nKV, A, G * B, S)
-    s_ctx = mx.where(ctx_mask[:, None, :, None, :], s_ctx, -mx.inf)
+    if ctx_mask.shape[2] > 1:  # a per-slot (sliding) window: rows are (g, slot), slot fastest
+        ctx_mask = mx.tile(ctx_mask, (1, 1, G, 1))
+    s_ctx = mx.where(ctx_mask[:, None], s_ctx, -mx.inf)
     if slots is not None:
         s_blk = mx.where(mx.tile(slots, (G, 1)), s_blk, -mx.inf)
     p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
@@ -88,7 +90,7 @@ def block_hidden(drafter: DFlashDrafter, embed: Callable[[mx.array], mx.array], 
         key = (attn.sliding_window, attn.block_causal)
         if key not in masks:
             slots = slot_mask(B, causal=True) if attn.block_causal else None
-            masks[key] = (context_mask(anchors, S, attn.sliding_window), slots)
+            masks[key] = (context_mask(anchors, S, B, attn.sliding_window), slots)
         ctx_k, ctx_v = _context_kv(attn, ctx)
         h = x + _block_attention(attn, layer.input_layernorm(x), ctx_k, ctx_v, anchors, *masks[key])
         x = h + layer.mlp(layer.post_attention_layernorm(h))

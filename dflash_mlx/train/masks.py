@@ -38,14 +38,16 @@ def sample_anchors(rng: np.random.Generator, trainable: np.ndarray, num_anchors:
     return np.sort(picked).astype(np.int32)
 
 
-def context_mask(anchors: mx.array, context_len: int, sliding_window: Optional[int] = None) -> mx.array:
-    """[R, A, S]: block a may see context position p iff p < anchor (and, on a sliding layer, within the window:
-    at most `sliding_window - 1` keys, as the inference cache keeps)."""
-    pos = mx.arange(context_len)[None, None]
-    anchor = anchors[:, :, None]
+def context_mask(anchors: mx.array, context_len: int, block_size: int,
+                 sliding_window: Optional[int] = None) -> mx.array:
+    """[R, A, B, S] (B = 1 without a window): slot i of the block at anchor a may see context position p iff
+    p < a and, on a sliding layer, p > a + i - sliding_window (the inference window over absolute positions)."""
+    pos = mx.arange(context_len)[None, None, None]
+    anchor = anchors[:, :, None, None]
     sees = pos < anchor
     if sliding_window is not None:
-        sees = sees & (pos >= anchor - (sliding_window - 1))
+        slot = mx.arange(block_size)[None, None, :, None]
+        sees = sees & (pos > anchor + slot - sliding_window)
     return sees
 
 
@@ -60,7 +62,8 @@ def block_mask(anchors: mx.array, context_len: int, block_size: int, sliding_win
     """Dense boolean mask [R, 1, A*B, S + A*B] (True: may attend) for anchors [R, A] over keys [context, blocks]."""
     R, A = anchors.shape
     B = block_size
-    sees_ctx = mx.repeat(context_mask(anchors, context_len, sliding_window), B, axis=1)  # [R, A*B, S]
+    sees_ctx = mx.broadcast_to(context_mask(anchors, context_len, B, sliding_window), (R, A, B, context_len))
+    sees_ctx = sees_ctx.reshape(R, A * B, context_len)
     block_of = mx.arange(A * B) // B
     slot = mx.arange(A * B) % B
     same = block_of[:, None] == block_of[None, :]
