@@ -187,6 +187,10 @@ def write_chart(report: dict, path: Path) -> Optional[Path]:
             ax.bar([s["name"] for s in profiled], values, bottom=bottom, label=phase)
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.legend(fontsize=8)
+    else:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no DFlash method profiled\n(--no-profile, or no DFlash method run)",
+                ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_title("ms per target pass, by phase (profiled run)")
     ax = axes[1][1]
     vc = report.get("verify_cost")
