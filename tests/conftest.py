@@ -1,9 +1,13 @@
 """Shared test setup: make `tiny` importable however pytest is invoked, and keep hypothesis offline and quick."""
 
-# dflash_mlx first: on Linux it loads OpenBLAS for MLX, which only works before anything imports mlx.
-import dflash_mlx  # noqa: F401  isort: skip
-
 import os
+
+# Tests run on MLX's bundled BLAS, never OpenBLAS: OpenBLAS sums a row differently depending on how many rows a
+# matmul has, so a cache rolled back from a 5-row verify would differ in the last bit from one built by a 3-row
+# pass, and the bit-exact rollback checks (tests/cache_compare.py) could not hold. tests/test_blas.py checks the
+# OpenBLAS loader in subprocesses of its own.
+os.environ.setdefault("DFLASH_MLX_NO_BLAS", "1")
+
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
