@@ -90,6 +90,9 @@ def summarize(methods, plain_name: str, records: List[dict], greedy: bool = True
     notes = []
     if not greedy:
         notes.append("sampling (T>0): outputs are random draws, so equality with plain decoding is not expected")
+        if any(s["name"].startswith("oracle") for s in summaries):
+            notes.append("the oracle proposes plain decoding's output position by position; once a sampled stream "
+                         "departs from it, its drafts are wrong, so at T>0 its tau is not the machinery's ceiling")
     else:
         for s in summaries:
             if s["identical"] < s["prompts"]:
