@@ -5,6 +5,7 @@ Every user mistake ends in one line on stderr that says what is wrong and what t
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -218,8 +219,18 @@ from .train.command import train_command  # noqa: E402
 app.command("train")(train_command)
 
 
+def _show_warnings() -> None:
+    """Library warnings (e.g. acceptance collapse) on stderr, on a line of their own even mid-stream."""
+    logger = logging.getLogger("dflash_mlx")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("\nwarning: %(message)s"))
+        logger.addHandler(handler)
+
+
 def main(argv: Optional[list] = None) -> int:
     """Entry point: run the app, turning every expected failure into one line and exit code 2 (1 for Ctrl-C)."""
+    _show_warnings()
     try:
         # Without standalone mode, click returns the code a command exits with instead of raising.
         code = app(args=argv, standalone_mode=False)
