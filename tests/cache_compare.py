@@ -13,9 +13,10 @@ from typing import Any, Dict, List, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.utils import _get_classes
+
+from tiny import randomize  # noqa: F401  (re-exported: family tests import it from here)
 
 VOCAB = 97
 HIDDEN = 64
@@ -68,24 +69,6 @@ HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MOE = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3")
 WINDOWED = ("gpt_oss", "gemma3_text", "gemma3", "gemma4_text", "gemma4")
 ALL = tuple(CONFIGS)
-
-
-def randomize(module: nn.Module, seed: int) -> nn.Module:
-    """Redraw every parameter: norms and scales ~ 1 + 0.2 N, biases ~ 0.1 N, matrices ~ N / sqrt(fan_in)."""
-    rng = np.random.default_rng(seed)
-    new = []
-    for name, p in tree_flatten(module.parameters()):
-        z = rng.standard_normal(p.shape).astype(np.float32)
-        if name.endswith(("norm.weight", "scale", "scalar")):
-            v = 1.0 + 0.2 * z
-        elif name.endswith("bias"):
-            v = 0.1 * z
-        else:
-            v = z / np.sqrt(p.shape[-1])
-        new.append((name, mx.array(v)))
-    module.update(tree_unflatten(new))
-    mx.eval(module.parameters())
-    return module
 
 
 def build(kind: str, seed: int = 0, **overrides) -> nn.Module:

@@ -60,12 +60,12 @@ ALL_KINDS = tuple(TARGET_CONFIGS)
 
 
 def randomize(module: nn.Module, seed: int) -> nn.Module:
-    """Redraw every parameter: norms ~ 1 + 0.2 N, biases ~ 0.1 N, matrices ~ N / sqrt(fan_in)."""
+    """Redraw every parameter: norms and scales ~ 1 + 0.2 N, biases ~ 0.1 N, matrices ~ N / sqrt(fan_in)."""
     rng = np.random.default_rng(seed)
     new = []
     for name, p in tree_flatten(module.parameters()):
         z = rng.standard_normal(p.shape).astype(np.float32)
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "scale", "scalar")):
             v = 1.0 + 0.2 * z
         elif name.endswith("bias"):
             v = 0.1 * z
