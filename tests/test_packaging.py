@@ -68,6 +68,9 @@ def test_wheel_contains_subpackages_and_kernel_sources(wheel):
     # Every module and data file of the package itself, subpackages included.
     expected |= {f"dflash_mlx/{p.relative_to(REPO / 'dflash_mlx').as_posix()}"
                  for p in (REPO / "dflash_mlx").rglob("*") if p.suffix in (".py", ".json")}
+    # Shipped drafters: weights, config and model card.
+    expected |= {f"dflash_mlx/{p.relative_to(REPO / 'dflash_mlx').as_posix()}"
+                 for p in (REPO / "dflash_mlx" / "drafters").glob("*/*")}
     assert "dflash_mlx/metal/dflash_common.h" in expected
     assert expected <= names, f"missing from wheel: {sorted(expected - names)}"
     assert not any(n.startswith(("convert/", "metal/")) for n in names), "top-level convert/ or metal/ leaked"

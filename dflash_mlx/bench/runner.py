@@ -54,8 +54,23 @@ class BenchConfig:
             raise DFlashError("--block-size and --num-draft values must be positive")
         if not self.temp >= 0:
             raise DFlashError(f"--temp must be >= 0, got {self.temp}")
+        if self.draft is None:
+            self.draft = _shipped_drafter(self.model)
         if self.draft is None and self.ar_draft is None and not self.oracle:
             raise DFlashError("nothing to compare with plain decoding: give --draft, --ar-draft or --oracle")
+
+
+def _shipped_drafter(name: str) -> Optional[str]:
+    """The drafter shipped for an offline model name (the default target has one), else None."""
+    if Path(name).expanduser().exists() or "/" in name:
+        return None
+    from ..models import get_model, shipped_drafter
+
+    try:
+        path = shipped_drafter(get_model(name))
+    except DFlashError:
+        return None
+    return str(path) if path else None
 
 
 def _resolve(name: str) -> str:
