@@ -321,3 +321,23 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_output(tmp_path):
         n = len(old.prompt)
         assert doc.tokens[:n] == old.prompt and doc.trainable == [0] * n + [1] * (len(doc.tokens) - n)
         assert doc.tokens[n:] == greedy(model, old.prompt, 6, stop_tokens=tok.eos_token_ids)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3_text"])
+def test_drafter_starts_with_the_targets_output_gain(kind):
+    # RMSNorm(ones) = its gain; the target's head is calibrated for that gain (Gemma stores it as 1 + w).
+    from dflash_mlx.target import TargetModel
+    from dflash_mlx.train.command import output_scale
+
+    from cache_compare import build
+
+    model = target(kind) if kind == "qwen2" else build(kind)
+    norm = TargetModel(model).inner.norm
+    norm.weight = mx.random.uniform(0.5, 9.0, norm.weight.shape, key=mx.random.key(3))  # a trained-looking gain
+    t = TargetModel(model)
+    gain = output_scale(t, mx.ones((t.hidden_size,)))
+    h = mx.random.normal((2, 3, t.hidden_size), key=mx.random.key(4))
+    ref = norm(h)
+    ours = mx.fast.rms_norm(h, gain, norm.eps)
+    assert mx.allclose(ours, ref, atol=1e-4, rtol=1e-4), "drafter norm with this gain must equal the target's norm"
+    assert float(gain.mean()) > 1.5, "the gain was not taken from the target"

@@ -131,6 +131,23 @@ def drafter_config(target, model, args: TrainArgs, mask_token_id: int):
         draft_vocab_size=args.draft_vocab)
 
 
+def output_scale(target, default):
+    """The drafter's final-norm weight to start from: the target's own final-norm gain.
+
+    The drafter's output goes through the target's head, whose logits are calibrated for the target's normed
+    residual stream. RMSNorm removes magnitude, so this gain alone sets the logit scale, and AdamW moves it only
+    about `lr` per step: starting far off (Qwen2.5's gain averages ~7) leaves the loss near log V for thousands of
+    steps. norm(ones) reads the gain whatever the norm's parametrization (Gemma's 1 + w included).
+    """
+    import mlx.core as mx
+
+    norm = getattr(target.inner, "norm", None)
+    if norm is None:
+        return default * 0.1  # unknown layout: start near a uniform guess rather than with huge logits
+    gain = norm(mx.ones((1, target.hidden_size), dtype=mx.float32))[0]
+    return gain.astype(default.dtype) if gain.shape == default.shape else default * 0.1
+
+
 def pick_mask_token(tokenizer, target, tokens: np.ndarray) -> int:
     """A token that never occurs in the data and has a non-zero embedding: a '...mask...' special token if the
     tokenizer has one, else its highest added token that is not BOS/EOS/PAD."""
@@ -236,9 +253,7 @@ def _setup(args: TrainArgs, resume: bool, log):
     mx.random.seed(args.seed)
     drafter = build_drafter(config)
     if saved is None:
-        # A random drafter's output fed to the target's head at unit scale gives huge logits (first loss ~2x log V
-        # on SmolLM2); start small instead, near a uniform guess (measured: lower loss after 25 steps too).
-        drafter.norm.weight = drafter.norm.weight * 0.1
+        drafter.norm.weight = output_scale(target, drafter.norm.weight)
     if config.draft_vocab_size and saved is None:  # on resume the head and d2t come with the checkpoint
         ids = select_vocab(cache.tokens, cache.trainable, config.draft_vocab_size, config.vocab_size,
                            always=getattr(tokenizer, "eos_token_ids", None) or [])
