@@ -5,15 +5,35 @@ Every user mistake ends in one line on stderr that says what is wrong and what t
 
 from __future__ import annotations
 
-import logging
+import signal
 import sys
-from pathlib import Path
-from typing import List, Optional
 
-import typer
 
-from .errors import DFlashError
-from .models import DEFAULT_MODEL
+def _exit_quietly(signum, frame):
+    # Ctrl-C while the modules below load: nothing has started, so leave at once, without a traceback.
+    print(file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
+def _swap_sigint(handler):
+    """Install a SIGINT handler; returns the previous one (None where signals cannot be set, off the main thread)."""
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        return None
+
+
+_SIGINT_AT_IMPORT = _swap_sigint(_exit_quietly)  # restored at the end of this module
+
+import inspect  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import List, Optional  # noqa: E402
+
+import typer  # noqa: E402
+
+from .errors import DFlashError  # noqa: E402
+from .models import DEFAULT_MODEL  # noqa: E402
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -67,22 +87,115 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
-    from . import api
     from .sampling import SamplingParams
+    from .validate import check_max_tokens
 
-    if max_tokens == 0:
-        raise DFlashError("--max-tokens must be positive (or -1 for no limit)")
+    check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
-    target, tokenizer, drafter = api.load(model, draft, quant=quant)
+    target, tokenizer, drafter = _load(model, draft, quant)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
+    _warn_before_run(target, drafter, len(ids), block_size)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
-    if verbose:
-        api.generate(target, tokenizer, ids, drafter, verbose=True, **options)
-        return
-    for r in api.stream_generate(target, tokenizer, ids, drafter, **options):
-        print(r.text, end="", flush=True)
+    _stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
+
+
+# -- generate's helpers: loading with checks, warnings, streaming that survives Ctrl-C ----------------------------
+def _load(model: str, draft: Optional[str], quant: Optional[str]):
+    """api.load, after checking a local target folder (config.json, complete safetensors) so a broken file is
+    named with its fix instead of failing deep inside MLX."""
+    from . import api
+    from .validate import check_model_dir
+
+    local = Path(model).expanduser()
+    if local.is_dir():
+        check_model_dir(local)
+    return api.load(model, draft, quant=quant)
+
+
+def _warn(message: Optional[str]) -> None:
+    if message:
+        typer.echo(f"warning: {message}", err=True)
+
+
+def _block_size_warning(drafter, block_size: Optional[int]) -> Optional[str]:
+    from .validate import block_size_warning
+
+    return block_size_warning(block_size, getattr(drafter, "block_size", None))
+
+
+def _warn_before_run(target, drafter, prompt_tokens: int, block_size: Optional[int]) -> None:
+    """Runs that would go on, but not as the user expects: an over-long prompt, a block past the drafter's."""
+    from .validate import prompt_length_warning
+
+    args = getattr(target, "args", None)
+    _warn(prompt_length_warning(prompt_tokens, getattr(args, "max_position_embeddings", None)))
+    _warn(_block_size_warning(drafter, block_size))
+
+
+class PrefillBar:
+    """A progress bar for long prompts, driven by the engine's `prefill_progress(done, total)` callback."""
+
+    def __init__(self, prompt_tokens: int):
+        from .validate import LONG_PROMPT_TOKENS
+
+        self.enabled = prompt_tokens > LONG_PROMPT_TOKENS
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False)
+        self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bool) -> None:
+    """Print tokens as they come. Ctrl-C ends the line, prints the --verbose stats of what was generated so far,
+    and exits 130 (main prints 'interrupted')."""
+    from . import api
+
+    bar = PrefillBar(len(ids))
+    if "prefill_progress" in inspect.signature(api.stream_generate).parameters:
+        options = dict(options, prefill_progress=bar)
+    response = None
+    try:
+        for response in api.stream_generate(target, tokenizer, ids, drafter, **options):
+            print(response.text, end="", flush=True)
+    except KeyboardInterrupt:
+        _swap_sigint(signal.SIG_IGN)  # a second Ctrl-C must not break the summary; main restores the handler
+        bar.close()
+        print(flush=True)
+        if verbose and response is not None:
+            _print_stats(response)
+        raise typer.Exit(130) from None
+    finally:
+        bar.close()
     print()
+    if verbose and response is not None:
+        _print_stats(response)
+
+
+def _print_stats(response) -> None:
+    """Speed, acceptance and memory of a run, as `dflash_mlx.generate(verbose=True)` prints them."""
+    print("=" * 10)
+    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+    stats = response.stats
+    if stats and stats.cycles:
+        print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
+              f"(block size {stats.max_block}); tokens committed per pass:")
+        print(stats.format_histogram())
+    print(f"Peak memory: {response.peak_memory:.3f} GB", flush=True)
 
 
 @app.command()
@@ -90,7 +203,7 @@ def chat(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
     quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
-    max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply (-1: until EOS)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
                                              help="Tokens verified per pass (default: the drafter's)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message."),
@@ -104,15 +217,19 @@ def chat(
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
-    from . import api
     from .chat import ChatSession, run_repl
     from .sampling import SamplingParams
+    from .validate import check_max_tokens
 
+    check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)
     if seed is not None:
         sampling["seed"] = seed
-    target, tokenizer, drafter = api.load(model, draft, quant=quant)
+    if history is not None and not history.expanduser().is_file():
+        raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
+    target, tokenizer, drafter = _load(model, draft, quant)
+    _warn(_block_size_warning(drafter, block_size))
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
                           block_size=block_size, sampling=sampling, thinking=thinking)
     if history is not None:
@@ -136,13 +253,15 @@ def convert(
                                          "--quantize; with --gguf / --target it alone turns quantization on)."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of the source."),
+    force: bool = typer.Option(False, "--force", help="Replace the contents of a non-empty output folder (only "
+                               "once the conversion has succeeded)."),
 ):
     """Convert a DFlash drafter (z-lab format), a GGUF model (--gguf) or a safetensors target (--target)."""
     if gguf is not None or target is not None:
         from .convert.target import convert_model_command
 
         path = convert_model_command(source, out, gguf=gguf, target=target, dtype=dtype, quantize=quantize,
-                                     q_bits=q_bits, q_group_size=q_group_size, revision=revision)
+                                     q_bits=q_bits, q_group_size=q_group_size, revision=revision, force=force)
         typer.echo(f"wrote {path}")
         return
     from .convert.drafter import convert_drafter
@@ -158,7 +277,7 @@ def convert(
     if quantize and q_bits not in (4, 8):
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
     path = convert_drafter(source, out, dtype=dtypes[dtype], q_bits=q_bits if quantize else None,
-                           q_group_size=q_group_size, revision=revision)
+                           q_group_size=q_group_size, revision=revision, force=force)
     typer.echo(f"wrote {path}")
 
 
@@ -232,10 +351,27 @@ def _show_warnings() -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Entry point: run the app, turning every expected failure into one line and exit code 2 (1 for Ctrl-C)."""
+    """Entry point: run the app, turning every expected failure into one line and exit code 2 (130 for Ctrl-C)."""
+    # Ctrl-C raises KeyboardInterrupt from here on (commands clean up, then exit 130); whatever handler was
+    # there before comes back when main returns, so in-process callers (tests) keep theirs.
+    previous = _swap_sigint(signal.default_int_handler)
+    try:
+        code = _run(argv)
+    except KeyboardInterrupt:  # landed outside typer's own handling
+        code = 130
+    finally:
+        if previous is not None:
+            _swap_sigint(previous)
+    if code == 130:
+        typer.echo("interrupted", err=True)
+    return code
+
+
+def _run(argv: Optional[list]) -> int:
     _show_warnings()
     try:
-        # Without standalone mode, click returns the code a command exits with instead of raising.
+        # Without standalone mode, click returns the code a command exits with instead of raising; typer turns
+        # Ctrl-C into code 130.
         code = app(args=argv, standalone_mode=False)
         if isinstance(code, int):
             return code
@@ -257,10 +393,10 @@ def main(argv: Optional[list] = None) -> int:
     except typer.Abort:
         typer.echo("aborted", err=True)
         return 1
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        return 130
     return 0
+
+
+_swap_sigint(_SIGINT_AT_IMPORT if _SIGINT_AT_IMPORT is not None else signal.default_int_handler)
 
 
 if __name__ == "__main__":

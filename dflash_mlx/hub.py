@@ -49,5 +49,5 @@ def cached_drafter(repo: str, revision: Optional[str] = None) -> Path:
     out = _drafter_dir(repo) / snapshot.name  # snapshot folders are named by commit hash
     if not (out / "config.json").is_file():
         print(f"Converting drafter {repo} for MLX (once) -> {out}")
-        convert_drafter(str(snapshot), out)
+        convert_drafter(str(snapshot), out, force=True)  # our cache: a leftover without config.json is junk
     return out

@@ -190,12 +190,12 @@ def test_bf16_sharded_prefixed_checkpoint(tmp_path, target):
 def test_convert_twice_is_byte_identical(zlab, tmp_path):
     src, weights = zlab
     for kwargs in ({"dtype": "float32"}, {"q_bits": 8}):
-        a = convert_drafter(str(src), tmp_path / "a", **kwargs)
-        b = convert_drafter(str(src), tmp_path / "b", **kwargs)
+        a = convert_drafter(str(src), tmp_path / "a", force=True, **kwargs)
+        b = convert_drafter(str(src), tmp_path / "b", force=True, **kwargs)
         for name in ("config.json", "model.safetensors"):
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
     # The hand-written file reads back with the reference safetensors library, values intact.
-    a = convert_drafter(str(src), tmp_path / "a", dtype="float32")
+    a = convert_drafter(str(src), tmp_path / "a", dtype="float32", force=True)
     with safe_open(str(a / "model.safetensors"), framework="numpy") as f:
         assert sorted(f.keys()) == sorted(weights)
         assert f.metadata() == {"format": "mlx"}

@@ -316,4 +316,9 @@ def test_cli_converts(tmp_path, capsys):
     assert main(["convert", "--gguf", str(path), str(tmp_path / "out"), "--dtype", "fp16"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float16"
     assert main(["convert", "--gguf", str(path), str(tmp_path / "out")]) == 2  # exists: refuse, keep it
-    assert "already exists" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds a model" in err and "--force" in err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float16"
+    assert main(["convert", "--gguf", str(path), str(tmp_path / "out"), "--force"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]  # no temporary folder left behind
