@@ -108,6 +108,11 @@ def _load(model: str, draft: Optional[str], quant: Optional[str]):
     from .validate import check_model_dir
 
     local = Path(model).expanduser()
+    if not local.exists() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        from .hub import fetch_target
+
+        local = fetch_target(model)  # a hub repo id: an unreachable hub is named as such
+        model = str(local)
     if local.is_dir():
         check_model_dir(local)
     return api.load(model, draft, quant=quant)
@@ -148,9 +153,10 @@ class PrefillBar:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False)
+            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False, mininterval=0)
         self.bar.update(done - self.bar.n)
         if done >= total:
+            self.bar.refresh()
             self.close()
 
     def close(self) -> None:

@@ -292,7 +292,7 @@ def test_missing_and_corrupt_files(zlab, tmp_path):
     weights_file = src / "model.safetensors"
     data = weights_file.read_bytes()
     weights_file.write_bytes(data[: len(data) // 2])
-    raises(lambda: load_drafter(str(src)), "model.safetensors", "corrupt or incomplete")
+    raises(lambda: load_drafter(str(src)), "model.safetensors", "is truncated", "download or convert")
     weights_file.unlink()
     raises(lambda: load_drafter(str(src)), "has no model.safetensors")
     (src / "config.json").unlink()
