@@ -124,13 +124,13 @@ class ChatSession:
             self.state = self._fresh_state()
         self.last_prefill_tokens = len(new) + (1 if self.seen else 0)
         self.seen.extend(new)
-        reply, response, stopped = "", None, False
+        reply, response, stopped = [], None, False
         stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
                                  block_size=self.block_size, state=self.state, **self.sampling)
         try:
             for response in stream:
                 self.seen.append(response.token)
-                reply += response.text
+                reply.append(response.token)
                 yield response.text
                 if should_stop():
                     stopped = True
@@ -141,7 +141,11 @@ class ChatSession:
                 # Stopped inside a verify pass: the caches hold tokens the reply never showed. Start the next
                 # turn from fresh caches rather than trim what may not be trimmable (recurrent layers).
                 self._drop_caches()
-            self.messages.append({"role": "assistant", "content": reply})
+            # The record holds the tokens' exact text (a streaming detokenizer may drop a leading space), so the
+            # next turn's rendering extends what the caches saw and they are reused.
+            eos = set(self.tokenizer.eos_token_ids)
+            self.messages.append({"role": "assistant",
+                                  "content": self.tokenizer.decode([t for t in reply if t not in eos])})
             if response is not None:
                 self.last_stats = response.stats
                 self.last_speed = (response.prompt_tps, response.generation_tps, response.generation_tokens)
