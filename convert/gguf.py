@@ -145,6 +145,11 @@ def build_config(gguf: GGUFFile, spec: Optional[ArchSpec] = None) -> Dict[str, A
     """The mlx-lm config.json for this file (without torch_dtype / quantization)."""
     spec = spec or arch_spec(gguf)
     g = gguf.arch_get
+    missing = [k for k in ("embedding_length", "attention.head_count", "block_count", "feed_forward_length")
+               if g(k) is None]
+    if missing:
+        raise DFlashError(f"'{gguf.path.name}' lacks the metadata {gguf.arch}.{missing[0]}; it is not a complete "
+                          f"{gguf.arch} model file: download it again")
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     kv_heads = g("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):

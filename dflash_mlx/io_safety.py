@@ -32,9 +32,16 @@ _ADVICE = {
 }
 
 
+def _nearly_full(folder: Path, margin: int = 1 << 20) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < margin
+    except OSError:
+        return False
+
+
 def write_error(e: OSError, what: Union[str, Path]) -> DFlashError:
     """One line for a failed write of `what`: the reason, and what to do about it."""
-    advice = _ADVICE.get(e.errno, e.strerror or str(e))
+    advice = _ADVICE.get(e.errno) or f"{e.strerror or e}; check the free space and the folder, then run it again"
     return DFlashError(f"cannot write {what}: {advice}")
 
 
@@ -76,6 +83,12 @@ def output_dir(out: Union[str, Path], force: bool = False) -> Iterator[Path]:
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_error(e, out) from None
+    except RuntimeError as e:  # MLX's own writer reports a failed write as "[write] Unable to write N bytes"
+        full = _nearly_full(out.parent)  # before the partial files are deleted
+        shutil.rmtree(tmp, ignore_errors=True)
+        if "write" not in str(e).lower():
+            raise
+        raise write_error(OSError(errno.ENOSPC if full else errno.EIO, str(e)), out) from None
     except BaseException:  # DFlashError, Ctrl-C: nothing half-written stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise

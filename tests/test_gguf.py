@@ -352,6 +352,12 @@ def test_unknown_architecture(tmp_path):
         convert_gguf(path, tmp_path / "out", progress=False)
 
 
+def test_missing_metadata(tmp_path):
+    path = _write(tmp_path / "x.gguf", "llama", {"token_embd.weight": (np.zeros((VOCAB, 32), np.float32), T.F32)})
+    with pytest.raises(DFlashError, match="lacks the metadata llama.embedding_length"):
+        convert_gguf(path, tmp_path / "out", progress=False)
+
+
 def test_unknown_ggml_type(tmp_path):
     raw = np.zeros((4, 18), np.uint8)  # one IQ4_NL block per row
     path = _write(tmp_path / "x.gguf", "llama", {"token_embd.weight": (raw, T.IQ4_NL)})

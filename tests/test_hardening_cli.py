@@ -380,3 +380,24 @@ def test_ctrl_c_during_generation_ends_the_line_and_prints_stats(pair):
     assert "\n==========\n" in out and "Generation:" in out and "Acceptance: tau" in out, out
     generated = int(out.split("Generation: ")[1].split(" tokens")[0])
     assert generated > 0
+
+
+def test_a_real_full_disk_when_a_tmpfs_can_be_mounted(pair, tmp_path, capsys):
+    # The monkeypatched rows above run everywhere; this one fills a real 160 KB tmpfs, where mounting is allowed.
+    from test_gguf import CONFIGS, _export, _tiny
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        # The drafter converter (Python writes) and the GGUF converter (MLX's writer) on a disk too small for them.
+        code, _, err = _run(capsys, "convert", pair[1], disk / "drafter", "--dtype", "fp32")
+        assert code == 2 and "no space left" in _one_line(err)
+        gguf = _export(_tiny("llama"), CONFIGS["llama"], "llama", tmp_path / "m.gguf")  # about 330 KB of fp32
+        code, _, err = _run(capsys, "convert", "--gguf", gguf, disk / "model")
+        assert code == 2 and "no space left" in _one_line(err)
+        assert list(disk.iterdir()) == []  # nothing half-written left on the full disk
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
