@@ -25,7 +25,6 @@ def _swap_sigint(handler):
 
 _SIGINT_AT_IMPORT = _swap_sigint(_exit_quietly)  # restored at the end of this module
 
-import inspect  # noqa: E402
 import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import List, Optional  # noqa: E402
@@ -87,121 +86,21 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
+    from . import console
     from .sampling import SamplingParams
     from .validate import check_max_tokens
 
     check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
-    target, tokenizer, drafter = _load(model, draft, quant)
+    target, tokenizer, drafter = console.load_checked(model, draft, quant)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
-    _warn_before_run(target, drafter, len(ids), block_size)
+    console.warn_before_run(target, drafter, len(ids), block_size)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
-    _stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
-
-
-# -- generate's helpers: loading with checks, warnings, streaming that survives Ctrl-C ----------------------------
-def _load(model: str, draft: Optional[str], quant: Optional[str]):
-    """api.load, after checking a local target folder (config.json, complete safetensors) so a broken file is
-    named with its fix instead of failing deep inside MLX."""
-    from . import api
-    from .validate import check_model_dir
-
-    local = Path(model).expanduser()
-    if not local.exists() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        from .hub import fetch_target
-
-        local = fetch_target(model)  # a hub repo id: an unreachable hub is named as such
-        model = str(local)
-    if local.is_dir():
-        check_model_dir(local)
-    return api.load(model, draft, quant=quant)
-
-
-def _warn(message: Optional[str]) -> None:
-    if message:
-        typer.echo(f"warning: {message}", err=True)
-
-
-def _block_size_warning(drafter, block_size: Optional[int]) -> Optional[str]:
-    from .validate import block_size_warning
-
-    return block_size_warning(block_size, getattr(drafter, "block_size", None))
-
-
-def _warn_before_run(target, drafter, prompt_tokens: int, block_size: Optional[int]) -> None:
-    """Runs that would go on, but not as the user expects: an over-long prompt, a block past the drafter's."""
-    from .validate import prompt_length_warning
-
-    args = getattr(target, "args", None)
-    _warn(prompt_length_warning(prompt_tokens, getattr(args, "max_position_embeddings", None)))
-    _warn(_block_size_warning(drafter, block_size))
-
-
-class PrefillBar:
-    """A progress bar for long prompts, driven by the engine's `prefill_progress(done, total)` callback."""
-
-    def __init__(self, prompt_tokens: int):
-        from .validate import LONG_PROMPT_TOKENS
-
-        self.enabled = prompt_tokens > LONG_PROMPT_TOKENS
-        self.bar = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False, mininterval=0)
-        self.bar.update(done - self.bar.n)
-        if done >= total:
-            self.bar.refresh()
-            self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-def _stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bool) -> None:
-    """Print tokens as they come. Ctrl-C ends the line, prints the --verbose stats of what was generated so far,
-    and exits 130 (main prints 'interrupted')."""
-    from . import api
-
-    bar = PrefillBar(len(ids))
-    if "prefill_progress" in inspect.signature(api.stream_generate).parameters:
-        options = dict(options, prefill_progress=bar)
-    response = None
     try:
-        for response in api.stream_generate(target, tokenizer, ids, drafter, **options):
-            print(response.text, end="", flush=True)
-    except KeyboardInterrupt:
-        _swap_sigint(signal.SIG_IGN)  # a second Ctrl-C must not break the summary; main restores the handler
-        bar.close()
-        print(flush=True)
-        if verbose and response is not None:
-            _print_stats(response)
+        console.stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
+    except KeyboardInterrupt:  # the line is ended and the summary printed; main says "interrupted"
         raise typer.Exit(130) from None
-    finally:
-        bar.close()
-    print()
-    if verbose and response is not None:
-        _print_stats(response)
-
-
-def _print_stats(response) -> None:
-    """Speed, acceptance and memory of a run, as `dflash_mlx.generate(verbose=True)` prints them."""
-    print("=" * 10)
-    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
-    stats = response.stats
-    if stats and stats.cycles:
-        print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
-              f"(block size {stats.max_block}); tokens committed per pass:")
-        print(stats.format_histogram())
-    print(f"Peak memory: {response.peak_memory:.3f} GB", flush=True)
 
 
 @app.command()
@@ -223,6 +122,7 @@ def chat(
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
+    from . import console
     from .chat import ChatSession, run_repl
     from .sampling import SamplingParams
     from .validate import check_max_tokens
@@ -234,8 +134,8 @@ def chat(
         sampling["seed"] = seed
     if history is not None and not history.expanduser().is_file():
         raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
-    target, tokenizer, drafter = _load(model, draft, quant)
-    _warn(_block_size_warning(drafter, block_size))
+    target, tokenizer, drafter = console.load_checked(model, draft, quant)
+    console.warn_before_run(target, drafter, 0, block_size)
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
                           block_size=block_size, sampling=sampling, thinking=thinking)
     if history is not None:

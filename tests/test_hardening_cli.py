@@ -18,7 +18,8 @@ import time
 import pytest
 
 from dflash_mlx.chat import ChatSession, run_repl
-from dflash_mlx.cli import PrefillBar, main
+from dflash_mlx.cli import main
+from dflash_mlx.console import PrefillBar
 from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.validate import check_max_tokens, check_safetensors
