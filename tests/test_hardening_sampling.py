@@ -68,7 +68,7 @@ class _WrongResidual(SamplingAcceptor):
         return logp_row
 
 
-SAMPLES = 300
+SAMPLES = 250
 
 
 @pytest.fixture(scope="module")
