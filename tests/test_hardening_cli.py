@@ -207,6 +207,15 @@ def test_bench_prompts_file_that_does_not_exist(pair, tmp_path, capsys):
     assert code == 2 and "does not exist" in line and str(missing) in line
 
 
+def test_bench_prompts_that_are_neither_a_set_nor_a_file(tmp_path):
+    from dflash_mlx.bench.prompts import load_prompts
+
+    with pytest.raises(DFlashError, match="neither humaneval nor mtbench nor an existing .jsonl file"):
+        load_prompts("humaneva")
+    with pytest.raises(DFlashError, match="is a folder"):
+        load_prompts(str(tmp_path))
+
+
 def test_chat_history_that_does_not_exist(pair, tmp_path, capsys):
     code, _, err = _run(capsys, "chat", "-m", pair[0], "-d", pair[1], "--history", tmp_path / "none.json")
     assert code == 2 and "does not exist" in _one_line(err)
