@@ -1,0 +1,215 @@
+"""Kernel text for the MSL emulator: the signature MLX generates, the lint, and the rewrites g++ needs.
+
+`signature` reproduces mx.fast.metal_kernel's generated source (mlx/backend/common/metal_kernel.cpp): template
+parameters, `const device T*` inputs (`constant` below 8 elements, a reference for 0-d ones), `{name}_shape`,
+`{name}_strides` and `{name}_ndim` only for names the body mentions, `device T*` outputs (`device atomic<T>*` with
+atomic_outputs), then the thread attributes the body mentions. `lint` rejects what Metal forbids but g++ would
+accept. `for_gcc` strips comments (keeping line numbers) and turns `threadgroup` declarations into
+per-threadgroup storage.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .dtypes import type_string
+
+# Inputs with fewer elements are passed in the constant address space (MLX's max_constant_array_size).
+MAX_CONSTANT_ARRAY_SIZE = 8
+
+# MLX's metal_attributes table, in its order: (attribute, type).
+ATTRIBUTES = [
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+]
+
+
+class LintError(ValueError):
+    """Kernel text that g++ would compile but Metal rejects."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter in signature order: its C type as the emulator's entry point passes it."""
+
+    name: str
+    ctype: str  # element type, e.g. "float", "atomic<float>", "int64_t"
+    by_ref: bool  # a 0-d input or `_ndim`: passed as `const T&`
+    is_output: bool
+
+
+def strip_comments(text: str) -> str:
+    """Blank out // and /* */ comments, keeping every newline (so line numbers hold)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+        elif c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i: j + 1])  # strings stay (#include "x.h"); skipping them keeps "//" inside intact
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+_FUNC_DEF = re.compile(r"\b([A-Za-z_]\w*)\s*\(((?:[^;{}()]|\([^()]*\))*)\)\s*(?:const\s*)?\{")
+_KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "catch", "decltype", "static_assert"}
+
+
+def _body_end(text: str, open_brace: int) -> int:
+    depth = 0
+    for k in range(open_brace, len(text)):
+        if text[k] == "{":
+            depth += 1
+        elif text[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return k
+    return len(text)
+
+
+def lint(name: str, source: str, header: str) -> None:
+    """Raise LintError for `std::`, `double`, `new`/`delete` or a directly recursive helper function."""
+    problems = []
+    for where, text in (("source", source), ("header", header)):
+        clean = strip_comments(text)
+        for pattern, why in (
+            (r"\bstd\s*::", "`std::` (Metal has no C++ standard library; use metal::)"),
+            (r"\bdouble\b", "`double` (Metal has no 64-bit floats)"),
+            (r"\bnew\b", "`new` (Metal has no dynamic allocation)"),
+            (r"\bdelete\b", "`delete` (Metal has no dynamic allocation)"),
+        ):
+            m = re.search(pattern, clean)
+            if m:
+                line = clean.count("\n", 0, m.start()) + 1
+                problems.append(f"{where} line {line}: {why}")
+        for m in _FUNC_DEF.finditer(clean):
+            func = m.group(1)
+            if func in _KEYWORDS:
+                continue
+            body = clean[m.end(): _body_end(clean, m.end() - 1)]
+            if re.search(r"(?<![\w.:>])" + re.escape(func) + r"\s*\(", body):
+                line = clean.count("\n", 0, m.start()) + 1
+                problems.append(f"{where} line {line}: `{func}` calls itself (Metal forbids recursion)")
+    if problems:
+        raise LintError(f"kernel {name!r} is not valid Metal: " + "; ".join(problems))
+
+
+_TG_DECL = re.compile(
+    r"\bthreadgroup\s+(?P<type>[A-Za-z_][\w:]*(?:\s*<[^;{}]*?>)?)\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"(?P<dims>(?:\[[^\]]+\]\s*)*);"
+)
+
+
+def for_gcc(text: str, first_site: int = 0) -> tuple[str, int]:
+    """Comment-free text with each `threadgroup T name[dims];` turned into a reference to storage shared by the
+    threadgroup, and every other `threadgroup` qualifier dropped. Returns the text and the next free site id."""
+    site = first_site
+
+    def declaration(m: re.Match) -> str:
+        nonlocal site
+        site += 1
+        dims = re.sub(r"\s+", "", m.group("dims"))
+        return f"auto& {m.group('name')} = *msl_rt::tg_alloc<{m.group('type')}{dims}>({site});"
+
+    text = _TG_DECL.sub(declaration, strip_comments(text))
+    return re.sub(r"\bthreadgroup\b(?!_)", "", text), site
+
+
+def template_text(template: list) -> tuple[str, str]:
+    """`(parameter list, argument list)` for the kernel's template, as MLX writes them (bool as 0/1)."""
+    params, args = [], []
+    for tname, value in template:
+        if isinstance(value, bool):
+            params.append(f"bool {tname}")
+            args.append(str(int(value)))
+        elif isinstance(value, int):
+            params.append(f"int {tname}")
+            args.append(str(value))
+        else:
+            params.append(f"typename {tname}")
+            args.append(type_string(value))
+    return ", ".join(params), ", ".join(args)
+
+
+def kernel_name(name: str, template_args: str, inputs: list, output_dtypes: list) -> str:
+    """MLX's host name: custom_kernel_{name}[_{template hash}]_{input dtypes and passing}_{output dtypes}."""
+    out = "custom_kernel_" + name
+    if template_args:
+        out += "_" + template_args.replace(", ", "_")
+    for x in inputs:
+        out += "_" + type_string(x.dtype)
+        out += "s" if x.ndim == 0 else ("c" if x.size < MAX_CONSTANT_ARRAY_SIZE else "")
+    for d in output_dtypes:
+        out += "_" + type_string(d)
+    return out
+
+
+def signature(func: str, source: str, input_names: list, inputs: list, output_names: list, output_dtypes: list,
+              template_params: str, atomic_outputs: bool) -> tuple[str, list[Param]]:
+    """The text MLX puts between the header and the body, and the parameters in order."""
+    lines, params = [], []
+    index = 0
+    for name, x in zip(input_names, inputs):
+        dtype = type_string(x.dtype)
+        location = "constant" if x.size < MAX_CONSTANT_ARRAY_SIZE else "device"
+        ref = "&" if x.ndim == 0 else "*"
+        lines.append(f"  const {location} {dtype}{ref} {name} [[buffer({index})]]")
+        params.append(Param(name, dtype, x.ndim == 0, False))
+        index += 1
+        if x.ndim > 0:
+            for suffix, decl, ctype, by_ref in (
+                ("_shape", "const constant int*", "int", False),
+                ("_strides", "const constant int64_t*", "int64_t", False),
+                ("_ndim", "const constant int&", "int", True),
+            ):
+                if name + suffix in source:
+                    lines.append(f"  {decl} {name}{suffix} [[buffer({index})]]")
+                    params.append(Param(name + suffix, ctype, by_ref, False))
+                    index += 1
+    for name, d in zip(output_names, output_dtypes):
+        ctype = f"atomic<{type_string(d)}>" if atomic_outputs else type_string(d)
+        lines.append(f"  device {ctype}* {name} [[buffer({index})]]")
+        params.append(Param(name, ctype, False, True))
+        index += 1
+    for attr, atype in ATTRIBUTES:
+        if attr in source:
+            lines.append(f"  {atype} {attr} [[{attr}]]")
+    head = f"template <{template_params}>\n" if template_params else ""
+    return head + f"[[kernel]] void {func}(\n" + ",\n".join(lines) + ") {\n", params
+
+
+def used_attributes(source: str) -> list[str]:
+    return [attr for attr, _ in ATTRIBUTES if attr in source]

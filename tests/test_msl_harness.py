@@ -1,0 +1,457 @@
+"""The MSL emulation harness (tests/msl): kernels run with GPU semantics, and broken kernels are caught.
+
+Positive tests (marked `metal`) use the `metal_backend` fixture, so on a Mac they run unchanged on real Metal; the
+fault tests need the emulator itself. Every kernel here compiles once per machine (cached by hash).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import metal
+from msl import emulator
+from msl.emulator import CompileError, Fault, LintError
+
+pytestmark = pytest.mark.skipif(not emulator.compiler_available(), reason="the MSL emulator needs g++")
+
+
+def emulated(name, inputs, outputs, source, header="", **kw):
+    """A kernel built directly on the emulator (fault tests: real Metal would hang or silently misbehave)."""
+    return emulator.metal_kernel(name=name, input_names=inputs, output_names=outputs, source=source, header=header,
+                                 **kw)
+
+
+# ---- what the kernel sees ----
+
+POSITIONS = metal.kernel(
+    name="positions",
+    input_names=["scale"],
+    output_names=["out"],
+    source="""
+    uint3 g = thread_position_in_grid;
+    uint row = (g.z * threads_per_grid.y + g.y) * threads_per_grid.x + g.x;
+    device uint* o = out + row * 12;
+    o[0] = g.x; o[1] = g.y; o[2] = g.z;
+    o[3] = threadgroup_position_in_grid.x; o[4] = threadgroup_position_in_grid.y;
+    o[5] = thread_position_in_threadgroup.x; o[6] = thread_position_in_threadgroup.y;
+    o[7] = threads_per_threadgroup.x; o[8] = threads_per_threadgroup.y;
+    o[9] = thread_index_in_threadgroup;
+    o[10] = simdgroup_index_in_threadgroup * 100 + thread_index_in_simdgroup;
+    o[11] = uint(scale * float(threadgroups_per_grid.x));
+""",
+)
+
+
+@pytest.mark.metal
+def test_thread_attributes_with_partial_edge_threadgroups(metal_backend):
+    grid, group = (37, 3, 1), (16, 2, 1)  # edge threadgroups hold 5 columns and 1 row
+    (out,) = POSITIONS(inputs=[2.0], grid=grid, threadgroup=group, output_shapes=[(3 * 37, 12)],
+                       output_dtypes=[mx.uint32])
+    out = np.array(out).reshape(3, 37, 12)
+    for y in range(3):
+        for x in range(37):
+            size = (min(16, 37 - x // 16 * 16), min(2, 3 - y // 2 * 2))
+            local = (x % 16, y % 2)
+            index = local[1] * size[0] + local[0]
+            want = [x, y, 0, x // 16, y // 2, *local, *size, index, index // 32 * 100 + index % 32, 2 * 3]
+            assert out[y, x].tolist() == want, (x, y)
+
+
+EXP = metal.kernel(
+    name="exp_elementwise",
+    input_names=["inp"],
+    output_names=["out"],
+    source="""
+    uint elem = thread_position_in_grid.x;
+    T tmp = inp[elem];
+    out[elem] = metal::exp(tmp);
+""",
+)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_mlx_docs_example(metal_backend, dtype):
+    a = mx.random.normal(shape=(4, 25), key=mx.random.key(0)).astype(dtype)
+    (b,) = EXP(inputs=[a], template=[("T", dtype)], grid=(a.size, 1, 1), threadgroup=(32, 1, 1),
+               output_shapes=[a.shape], output_dtypes=[dtype])
+    assert b.dtype == dtype
+    assert mx.allclose(b, mx.exp(a), rtol=1e-3 if dtype == mx.float16 else 1e-6).item()
+
+
+STRIDED = metal.kernel(
+    name="strided_copy",
+    input_names=["inp"],
+    output_names=["out"],
+    ensure_row_contiguous=False,
+    source="""
+    uint elem = thread_position_in_grid.x;
+    out[elem] = inp[elem_to_loc(elem, inp_shape, inp_strides, inp_ndim)];
+""",
+)
+
+
+@pytest.mark.metal
+def test_strided_inputs_keep_their_strides(metal_backend):
+    base = mx.arange(60, dtype=mx.float32).reshape(5, 12)
+    for view in (base[:, 2:9:3], base.T, mx.broadcast_to(base[:1, :4], (3, 4))):
+        (out,) = STRIDED(inputs=[view], grid=(view.size, 1, 1), threadgroup=(64, 1, 1),
+                         output_shapes=[view.shape], output_dtypes=[mx.float32])
+        np.testing.assert_array_equal(np.array(out), np.array(view))
+
+
+# ---- collectives ----
+
+ROW_SUM = metal.kernel(
+    name="row_sum",
+    input_names=["x", "n"],
+    output_names=["out"],
+    header="#include <metal_stdlib>\nusing namespace metal;\n",
+    source="""
+    threadgroup float partial[32];
+    uint row = threadgroup_position_in_grid.x;
+    uint tid = thread_index_in_threadgroup;
+    uint lane = thread_index_in_simdgroup, sg = simdgroup_index_in_threadgroup;
+    float acc = 0.0f;
+    for (uint i = tid; i < uint(n); i += threads_per_threadgroup.x) {
+        acc += float(x[row * n + i]);
+    }
+    acc = simd_sum(acc);
+    if (lane == 0) {
+        partial[sg] = acc;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (sg == 0) {
+        float v = lane < simdgroups_per_threadgroup ? partial[lane] : 0.0f;
+        v = simd_sum(v);
+        if (lane == 0) {
+            out[row] = v;
+        }
+    }
+""",
+)
+
+
+@pytest.mark.metal
+def test_reduction_with_simd_sum_and_threadgroup_memory(metal_backend):
+    x = mx.random.uniform(shape=(3, 1000), key=mx.random.key(1))
+    (out,) = ROW_SUM(inputs=[x, 1000], grid=(3 * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(3,)],
+                     output_dtypes=[mx.float32])
+    np.testing.assert_allclose(np.array(out), np.array(x).sum(axis=1), rtol=1e-5)
+
+
+SIMD_OPS = metal.kernel(
+    name="simd_ops",
+    input_names=["x"],
+    output_names=["out"],
+    source="""
+    uint i = thread_position_in_grid.x;
+    uint lane = thread_index_in_simdgroup;
+    int v = x[i];
+    device int* o = out + i * 9;
+    o[0] = simd_shuffle(v, (lane * 7) % 32);
+    o[1] = simd_shuffle_down(v, 3);
+    o[2] = simd_shuffle_up(v, 5);
+    o[3] = simd_shuffle_xor(v, 6);
+    o[4] = simd_broadcast(v, 9);
+    o[5] = simd_prefix_exclusive_sum(v);
+    o[6] = simd_prefix_inclusive_sum(v);
+    o[7] = simd_max(v) - simd_min(v);
+    o[8] = simd_sum(v);
+""",
+)
+
+
+@pytest.mark.metal
+def test_simd_shuffles_and_scans(metal_backend):
+    v = np.random.default_rng(2).integers(-50, 50, size=64).astype(np.int32)
+    (out,) = SIMD_OPS(inputs=[mx.array(v)], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64, 9)],
+                      output_dtypes=[mx.int32])
+    out = np.array(out)
+    for g in range(2):
+        s = v[g * 32:(g + 1) * 32]
+        for lane in range(32):
+            want = [s[lane * 7 % 32], s[lane + 3] if lane + 3 < 32 else s[lane], s[lane - 5] if lane >= 5 else s[lane],
+                    s[lane ^ 6], s[9], s[:lane].sum(), s[:lane + 1].sum(), s.max() - s.min(), s.sum()]
+            assert out[g * 32 + lane].tolist() == want, lane
+
+
+MATMUL = metal.kernel(
+    name="simdgroup_matmul",
+    input_names=["a", "b"],
+    output_names=["c"],
+    source="""
+    // One SIMD group per 8x8 tile of C = A @ B; A is M x K, B is K x N, row-major.
+    uint tile_m = threadgroup_position_in_grid.y, tile_n = threadgroup_position_in_grid.x;
+    simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    simdgroup_matrix<T, 8, 8> ta, tb;
+    for (uint k = 0; k < K; k += 8) {
+        simdgroup_load(ta, a, K, ulong2(k, tile_m * 8));
+        simdgroup_load(tb, b, N, ulong2(tile_n * 8, k));
+        simdgroup_multiply_accumulate(acc, ta, tb, acc);
+    }
+    simdgroup_store(acc, c, N, ulong2(tile_n * 8, tile_m * 8));
+""",
+)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_simdgroup_matrix_matmul_matches_numpy(metal_backend, dtype):
+    m, k, n = 16, 24, 16
+    a = mx.random.normal(shape=(m, k), key=mx.random.key(3)).astype(dtype)
+    b = mx.random.normal(shape=(k, n), key=mx.random.key(4)).astype(dtype)
+    (c,) = MATMUL(inputs=[a, b], template=[("T", dtype), ("K", k), ("N", n)], grid=(32 * n // 8, m // 8, 1),
+                  threadgroup=(32, 1, 1), output_shapes=[(m, n)], output_dtypes=[mx.float32])
+    want = np.array(a.astype(mx.float32)) @ np.array(b.astype(mx.float32))
+    np.testing.assert_allclose(np.array(c), want, rtol=1e-5, atol=1e-5)
+
+
+FRAGMENT = metal.kernel(
+    name="fragment_layout",
+    input_names=["m"],
+    output_names=["out"],
+    source="""
+    simdgroup_matrix<float, 8, 8> t;
+    simdgroup_load(t, m);
+    uint lane = thread_index_in_simdgroup;
+    out[lane * 2] = t.thread_elements()[0];
+    out[lane * 2 + 1] = t.thread_elements()[1];
+""",
+)
+
+
+@pytest.mark.metal
+def test_simdgroup_fragment_layout_is_the_one_mlx_steel_assumes(metal_backend):
+    (out,) = FRAGMENT(inputs=[mx.arange(64, dtype=mx.float32)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                      output_shapes=[(64,)], output_dtypes=[mx.float32])
+    out = np.array(out).reshape(32, 2)
+    for lane in range(32):  # BaseMMAFrag<T, 8, 8>::get_coord in mlx/backend/metal/kernels/steel/gemm/mma.h
+        qid = lane // 4
+        row, col = (qid & 4) + (lane // 2) % 4, (qid & 2) * 2 + (lane % 2) * 2
+        assert out[lane].tolist() == [row * 8 + col, row * 8 + col + 1], lane
+
+
+# ---- numbers ----
+
+ROUNDING = metal.kernel(
+    name="rounding",
+    input_names=["x"],
+    output_names=["h", "bf", "hsum", "bsum"],
+    source="""
+    uint i = thread_position_in_grid.x;
+    h[i] = half(x[i]);
+    bf[i] = bfloat(x[i]);
+    half a = half(x[i]);
+    hsum[i] = a * a + a;                 // half arithmetic rounds after every operation
+    bfloat b = bfloat(x[i]);
+    bsum[i] = b * b + b;
+""",
+)
+
+
+def bf16_rne(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even, by bit manipulation."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.metal
+def test_half_and_bfloat_round_to_nearest_even(metal_backend):
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F808001, 0x3F807FFF], np.uint32).view(np.float32)
+    half_ties = np.float32(1 + 2.0 ** -11) * np.array([1, 3], np.float32)  # exactly between two halves
+    x = np.concatenate([ties, half_ties, np.random.default_rng(5).normal(size=57).astype(np.float32) * 100,
+                        np.array([np.inf, -np.inf, 70000.0, 1e-8], np.float32)]).astype(np.float32)
+    h, bf, hsum, bsum = ROUNDING(inputs=[mx.array(x)], grid=(x.size, 1, 1), threadgroup=(32, 1, 1),
+                                 output_shapes=[x.shape] * 4,
+                                 output_dtypes=[mx.float16, mx.bfloat16, mx.float16, mx.bfloat16])
+    with np.errstate(over="ignore"):
+        a = x.astype(np.float16)
+    np.testing.assert_array_equal(np.array(h), a)
+    want_bf = bf16_rne(x)
+    np.testing.assert_array_equal(np.array(bf.view(mx.uint16)), want_bf)
+    np.testing.assert_array_equal(np.array(bf.view(mx.uint16)), np.array(mx.array(x).astype(mx.bfloat16).view(mx.uint16)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.testing.assert_array_equal(np.array(hsum), a * a + a)
+        b = bf16_value(want_bf)
+        np.testing.assert_array_equal(np.array(bsum.view(mx.uint16)), bf16_rne(bf16_value(bf16_rne(b * b)) + b))
+
+
+HISTOGRAM = metal.kernel(
+    name="histogram",
+    input_names=["x"],
+    output_names=["counts"],
+    atomic_outputs=True,
+    source="""
+    uint i = thread_position_in_grid.x;
+    atomic_fetch_add_explicit(&counts[x[i] % 8], 1, memory_order_relaxed);
+""",
+)
+
+
+@pytest.mark.metal
+def test_atomic_outputs_with_init_value(metal_backend):
+    x = np.random.default_rng(6).integers(0, 100, size=300).astype(np.int32)
+    (counts,) = HISTOGRAM(inputs=[mx.array(x)], grid=(300, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(8,)],
+                          output_dtypes=[mx.int32], init_value=0)
+    np.testing.assert_array_equal(np.array(counts), np.bincount(x % 8, minlength=8))
+
+
+# ---- the factory ----
+
+def test_factory_routes_to_the_installed_backend(monkeypatch):
+    if mx.metal.is_available():
+        pytest.skip("this machine has Metal: the factory runs it, not the emulator")
+    assert metal.available() is False
+    a = mx.arange(8, dtype=mx.float32)
+    call = dict(inputs=[a], template=[("T", mx.float32)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
+                output_shapes=[(8,)], output_dtypes=[mx.float32])
+    with pytest.raises(RuntimeError, match="Metal"):
+        EXP(**call)  # no backend: mx.fast.metal_kernel, which has no Metal here
+    with emulator.installed():
+        assert metal.available() is True
+        monkeypatch.setenv(metal.NO_METAL_ENV, "1")
+        assert metal.available() is False  # the switch wins over any backend
+        monkeypatch.delenv(metal.NO_METAL_ENV)
+        (out,) = EXP(**call)
+    assert metal.available() is False
+    np.testing.assert_allclose(np.array(out), np.exp(np.arange(8)), rtol=1e-6)
+
+
+# ---- faults: each a deliberately broken kernel the harness must flag ----
+
+def test_missing_barrier_is_caught_by_running_both_thread_orders():
+    source = """
+    threadgroup float buf[64];
+    uint t = thread_index_in_threadgroup;
+    buf[t] = x[thread_position_in_grid.x];
+    {BARRIER}
+    out[thread_position_in_grid.x] = buf[63 - t];
+    """
+    x = mx.arange(128, dtype=mx.float32)
+    call = dict(inputs=[x], grid=(128, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(128,)],
+                output_dtypes=[mx.float32])
+    with pytest.raises(Fault, match="depends on thread order"):
+        emulated("no_barrier", ["x"], ["out"], source.replace("{BARRIER}", ""))(**call)
+    fixed = emulated("barrier", ["x"], ["out"],
+                     source.replace("{BARRIER}", "threadgroup_barrier(mem_flags::mem_threadgroup);"))
+    (out,) = fixed(**call)
+    want = np.arange(128).reshape(2, 64)[:, ::-1].reshape(-1)
+    np.testing.assert_array_equal(np.array(out), want)
+
+
+def test_simd_collective_under_divergent_control_flow():
+    k = emulated("divergent_sum", ["x"], ["out"], """
+    uint i = thread_position_in_grid.x;
+    float v = x[i];
+    if (thread_index_in_simdgroup < 16) {
+        v = simd_sum(v);
+    }
+    out[i] = v;
+    """)
+    with pytest.raises(Fault, match="divergent control flow"):
+        k(inputs=[mx.ones((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
+          output_dtypes=[mx.float32])
+
+
+@pytest.mark.parametrize("escape", ["return;", "threadgroup_barrier(mem_flags::mem_none);"])
+def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape):
+    k = emulated("half_barrier", ["x"], ["out"], f"""
+    uint t = thread_index_in_threadgroup;
+    out[t] = x[t];
+    if (t >= 40) {{
+        {escape}
+    }}
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    """)
+    with pytest.raises(Fault, match="deadlock"):
+        k(inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+          output_dtypes=[mx.float32])
+
+
+def test_output_element_never_written():
+    k = emulated("even_only", ["x"], ["out"], """
+    uint i = thread_position_in_grid.x;
+    if (i % 2 == 0) {
+        out[i] = x[i];
+    }
+    """)
+    call = dict(inputs=[mx.ones((16,), dtype=mx.int32)], grid=(16, 1, 1), threadgroup=(16, 1, 1),
+                output_shapes=[(16,)], output_dtypes=[mx.int32])
+    with pytest.raises(Fault, match=r"8 of 16 elements never written \(first at index \(1,\)\)"):
+        k(**call)
+    (out,) = k(**call, init_value=-1)  # leaving elements alone is fine when they start from init_value
+    assert np.array(out).tolist() == [1, -1] * 8
+
+
+def test_out_of_range_accesses_hit_guard_pages():
+    read_past = emulated("read_past", ["x"], ["out"], """
+    uint i = thread_position_in_grid.x;
+    out[i] = x[i + 1];
+    """)
+    with pytest.raises(Fault, match=r"out-of-range read 0 bytes past the end of 'x' \(256 bytes\).*thread \(63,0,0\)"):
+        read_past(inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+                  output_dtypes=[mx.float32])
+    write_input = emulated("write_input", ["x"], ["out"], """
+    uint i = thread_position_in_grid.x;
+    const_cast<device float*>(x)[i] = 0.0f;
+    out[i] = 1.0f;
+    """)
+    with pytest.raises(Fault, match="write to input 'x', which is read-only"):
+        write_input(inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+                    output_dtypes=[mx.float32])
+    tg_overrun = emulated("tg_overrun", ["x"], ["out"], """
+    threadgroup float buf[64];
+    uint t = thread_index_in_threadgroup;
+    buf[t + 1] = x[t];
+    out[t] = 1.0f;
+    """)
+    with pytest.raises(Fault, match="out-of-range write of a threadgroup array"):
+        tg_overrun(inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+                   output_dtypes=[mx.float32])
+
+
+def test_threadgroup_memory_limit_and_thread_limit():
+    k = emulated("too_much_tg", ["x"], ["out"], """
+    threadgroup float a[6000];
+    threadgroup float b[3000];
+    uint t = thread_index_in_threadgroup;
+    a[t] = x[t];
+    b[t] = x[t];
+    out[t] = a[t] + b[t];
+    """)
+    call = dict(inputs=[mx.ones((32,))], grid=(32, 1, 1), output_shapes=[(32,)], output_dtypes=[mx.float32])
+    with pytest.raises(Fault, match="36000 bytes exceeds Metal's limit of 32768"):
+        k(threadgroup=(32, 1, 1), **call)
+    with pytest.raises(Fault, match="Metal allows 1 to 1024"):
+        k(threadgroup=(32, 33, 1), **{**call, "grid": (32, 33, 1)})
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("std::max(x[0], 0.0f)", r"`std::`"),
+    ("double(x[0])", r"`double`"),
+    ("*(new float(x[0]))", r"`new`"),
+])
+def test_lint_rejects_what_metal_forbids(bad, why):
+    with pytest.raises(LintError, match=why):
+        emulated("bad", ["x"], ["out"], f"out[0] = {bad};")
+
+
+def test_lint_rejects_recursion():
+    header = "inline uint fact(uint n) { return n < 2 ? 1 : n * fact(n - 1); }\n"
+    with pytest.raises(LintError, match="`fact` calls itself"):
+        emulated("recursive", ["x"], ["out"], "out[0] = fact(x[0]);", header=header)
+
+
+def test_compile_errors_point_at_the_body_line():
+    k = emulated("typo", ["x"], ["out"], "uint i = thread_position_in_grid.x;\nout[i] = x[i] + undefined_name;\n")
+    with pytest.raises(CompileError, match=r"typo\.source:2"):
+        k(inputs=[mx.ones((4,))], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+          output_dtypes=[mx.float32])
