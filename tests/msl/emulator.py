@@ -253,8 +253,8 @@ class EmulatedKernel:
                 if unwritten.any():
                     at = np.unravel_index(int(np.argmax(unwritten)), shape) if shape else ()
                     raise Fault(f"kernel {self.name!r}: output {name!r} has {int(unwritten.sum())} of {first.size} "
-                                f"elements never written (first at index {tuple(int(v) for v in at)}); pass "
-                                f"init_value if the kernel leaves elements unwritten on purpose")
+                                f"elements never written, or computed from their own unwritten value (first at index "
+                                f"{tuple(int(v) for v in at)}); pass init_value if the kernel relies on a start value")
             if self.check_order:
                 self._compare_orders(name, shape, d, first, runs[1][i])
             results.append(dtypes.from_bits(first, d, shape))

@@ -1,6 +1,7 @@
 // msl_runtime.h: GPU execution semantics on the host, for the MSL emulator.
 //
-// Each GPU thread of a threadgroup is a fiber (ucontext) with its own stack. A thread runs until it reaches a
+// Each GPU thread of a threadgroup is a fiber with its own stack (a six-register stack switch on x86-64, ucontext
+// elsewhere). A thread runs until it reaches a
 // synchronisation point (threadgroup_barrier, a SIMD collective) or returns; when no thread can run, the scheduler
 // completes the collectives whose SIMD group has fully arrived, or releases the barrier once every launched thread
 // of the group waits at the same one. Anything else is a fault, reported instead of hanging: threads waiting at
@@ -23,6 +24,39 @@
 
 #include "msl_types.h"
 
+// x86-64: switching fibers saves the callee-saved registers on the old stack and pops them from the new one, with
+// no system call (ucontext's swapcontext also saves the signal mask, which costs one per switch).
+#if defined(__x86_64__) && !defined(MSL_UCONTEXT)
+#define MSL_FAST_SWITCH 1
+extern "C" __attribute__((visibility("hidden"))) void msl_switch(void** save_sp, void* new_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .hidden msl_switch
+  .globl msl_switch
+  .type msl_switch,@function
+msl_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size msl_switch,.-msl_switch
+)");
+#else
+#define MSL_FAST_SWITCH 0
+#endif
+
 namespace msl_rt {
 
 using metal::uint;
@@ -39,14 +73,20 @@ enum State : uint8_t { RUNNABLE, AT_BARRIER, AT_SIMD, DONE };
 typedef void (*CompleteFn)(void* const* args);
 
 struct Thread {
+#if MSL_FAST_SWITCH
+  void* sp;
+#else
   ucontext_t ctx;
+#endif
   char* stack;
   State state;
   const char* wait_op;
   unsigned wait_line;
   CompleteFn wait_fn;
   void* wait_arg;
-  uint64_t syncs;  // barriers and collectives passed, to tell iterations of one call site apart
+  // Barriers and collectives passed, to tell iterations of one call site apart (SIMD groups may run different
+  // numbers of collectives between two barriers, so the counts are kept apart).
+  uint64_t barriers, collectives;
   // Attributes, named as MLX names the kernel parameters.
   uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid;
   uint3 threads_per_threadgroup, dispatch_threads_per_threadgroup, threads_per_grid, grid_size, grid_origin,
@@ -95,7 +135,11 @@ struct TgSite {
 static Thread g_threads[kMaxThreads];
 static int g_nthreads;
 static int g_current = -1;
+#if MSL_FAST_SWITCH
+static void* g_sched_sp;
+#else
 static ucontext_t g_sched;
+#endif
 static void (*g_body)();
 static void** g_bufs;
 static Buffer g_buffers[64];
@@ -130,6 +174,16 @@ inline void set_error(const char* fmt, ...) {
   va_end(ap);
 }
 
+[[noreturn]] inline void exit_to_scheduler() {
+#if MSL_FAST_SWITCH
+  void* dead;
+  msl_switch(&dead, g_sched_sp);
+#else
+  setcontext(&g_sched);
+#endif
+  __builtin_unreachable();
+}
+
 // A fault found by a running thread: record it and never resume that thread.
 [[noreturn]] inline void fail(const char* fmt, ...) {
   if (!g_failed) {
@@ -142,11 +196,16 @@ inline void set_error(const char* fmt, ...) {
     va_end(ap);
     set_error("%s (%s)", what, who);
   }
-  setcontext(&g_sched);
-  __builtin_unreachable();
+  exit_to_scheduler();
 }
 
-inline void yield_to_scheduler() { swapcontext(&cur().ctx, &g_sched); }
+inline void yield_to_scheduler() {
+#if MSL_FAST_SWITCH
+  msl_switch(&cur().sp, g_sched_sp);
+#else
+  swapcontext(&cur().ctx, &g_sched);
+#endif
+}
 
 // ---- synchronisation points ----
 
@@ -262,6 +321,33 @@ inline void describe_fault() {
 static void fiber_main() {
   g_body();
   cur().state = DONE;
+#if MSL_FAST_SWITCH
+  exit_to_scheduler();
+#endif
+}
+
+inline void start_fiber(Thread& t) {
+#if MSL_FAST_SWITCH
+  void** sp = (void**)(t.stack + g_stack_bytes + g_page);  // 16-byte aligned top
+  *--sp = nullptr;                                          // fiber_main's return address: it never returns
+  *--sp = (void*)&fiber_main;                               // where msl_switch's `ret` lands
+  for (int r = 0; r < 6; ++r) *--sp = nullptr;              // rbp, rbx, r12-r15
+  t.sp = sp;
+#else
+  getcontext(&t.ctx);
+  t.ctx.uc_stack.ss_sp = t.stack;
+  t.ctx.uc_stack.ss_size = g_stack_bytes + g_page;
+  t.ctx.uc_link = &g_sched;
+  makecontext(&t.ctx, fiber_main, 0);
+#endif
+}
+
+inline void switch_to(Thread& t) {
+#if MSL_FAST_SWITCH
+  msl_switch(&g_sched_sp, t.sp);
+#else
+  swapcontext(&g_sched, &t.ctx);
+#endif
 }
 
 inline void describe_waits(char* out, size_t len) {
@@ -294,7 +380,7 @@ inline bool complete_collectives() {
     for (int i = g0; i < g1; ++i) {
       const Thread& t = g_threads[i];
       if (t.state != AT_SIMD || t.wait_line != lead.wait_line || t.wait_op != lead.wait_op ||
-          t.wait_fn != lead.wait_fn || t.syncs != lead.syncs || lead.state != AT_SIMD) {
+          t.wait_fn != lead.wait_fn || t.collectives != lead.collectives || lead.state != AT_SIMD) {
         char states[2048];
         describe_waits(states, sizeof(states));
         set_error(
@@ -310,7 +396,7 @@ inline bool complete_collectives() {
     lead.wait_fn(args);
     for (int i = g0; i < g1; ++i) {
       g_threads[i].state = RUNNABLE;
-      g_threads[i].syncs++;
+      g_threads[i].collectives++;
     }
     progressed = true;
   }
@@ -328,7 +414,7 @@ inline bool release_barrier() {
     }
     if (t.state != AT_BARRIER) return false;
     if (!lead) lead = &t;
-    else if (t.wait_line != lead->wait_line || t.wait_op != lead->wait_op || t.syncs != lead->syncs)
+    else if (t.wait_line != lead->wait_line || t.wait_op != lead->wait_op || t.barriers != lead->barriers)
       mismatch = true;
   }
   if (!lead) return false;
@@ -344,7 +430,7 @@ inline bool release_barrier() {
   }
   for (int i = 0; i < g_nthreads; ++i) {
     g_threads[i].state = RUNNABLE;
-    g_threads[i].syncs++;
+    g_threads[i].barriers++;
   }
   return true;
 }
@@ -363,13 +449,9 @@ inline bool run_group(bool reverse) {
       }
       mprotect(t.stack, g_page, PROT_NONE);  // stacks grow down into this guard page
     }
-    getcontext(&t.ctx);
-    t.ctx.uc_stack.ss_sp = t.stack;
-    t.ctx.uc_stack.ss_size = g_stack_bytes + g_page;
-    t.ctx.uc_link = &g_sched;
-    makecontext(&t.ctx, fiber_main, 0);
+    start_fiber(t);
     t.state = RUNNABLE;
-    t.syncs = 0;
+    t.barriers = t.collectives = 0;
   }
   for (;;) {
     bool all_done = true;
@@ -377,7 +459,7 @@ inline bool run_group(bool reverse) {
       int i = reverse ? g_nthreads - 1 - k : k;
       if (g_threads[i].state == RUNNABLE) {
         g_current = i;
-        swapcontext(&g_sched, &g_threads[i].ctx);
+        switch_to(g_threads[i]);
         g_current = -1;
         if (g_failed) return false;
       }
