@@ -4,6 +4,8 @@ context lengths that are multiples of no tile, chunked contexts and strided cach
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -11,9 +13,13 @@ import pytest
 from dflash_mlx.metal import block_attention as ba
 
 
-@pytest.fixture(scope="module")
-def metal_kernels():
-    pytest.skip("emulator not wired yet")
+@contextmanager
+def kernels_enabled(on: bool):
+    """Kernels on (the `metal_backend` fixture's backend) or off (DFLASH_MLX_NO_METAL) inside the block."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not on:
+            mp.setenv("DFLASH_MLX_NO_METAL", "1")
+        yield
 
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -105,7 +111,7 @@ def _check(out, ref, dtype):
 @pytest.mark.metal
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_kernel_matches_reference(metal_kernels, case, dtype):
+def test_kernel_matches_reference(metal_backend, case, dtype):
     Hq, Hkv, B, D, n_ctx, window, causal, chunk = case
     dt = DTYPES[dtype]
     q, k, v, ck, cv = _inputs(Hq, Hkv, B, D, n_ctx, dt, seed=1)
@@ -116,7 +122,7 @@ def test_kernel_matches_reference(metal_kernels, case, dtype):
 
 
 @pytest.mark.metal
-def test_kernel_reads_strided_views_in_place(metal_kernels):
+def test_kernel_reads_strided_views_in_place(metal_backend):
     """Context as a [1, L, Hkv, D] buffer seen as [1, Hkv, L, D], and a poisoned tail beyond n_ctx."""
     mx.random.seed(3)
     Hq, Hkv, B, D, n_ctx = 4, 2, 5, 64, 21
@@ -132,9 +138,13 @@ def test_kernel_reads_strided_views_in_place(metal_kernels):
 
 
 @pytest.mark.metal
-def test_drafter_attention_runs_the_kernel(metal_kernels):
+def test_drafter_attention_runs_the_kernel(metal_backend, monkeypatch):
     """A drafter with a sliding and a full layer gives the same logits with kernels on and off."""
     from tiny import make_drafter, prompt_ids, target
+
+    calls = []
+    kernel = ba.block_attention_metal
+    monkeypatch.setattr(ba, "block_attention_metal", lambda *a, **kw: calls.append(kw["window"]) or kernel(*a, **kw))
 
     drafter, t = make_drafter(target("qwen3"), block_size=4, head_dim=64, sliding_window=5,
                               layer_types=["sliding_attention", "full_attention"])
@@ -142,8 +152,9 @@ def test_drafter_attention_runs_the_kernel(metal_kernels):
     block = mx.array([[3] + [drafter.config.mask_token_id] * 3], dtype=mx.int32)
     logits = []
     for on in (True, False):
-        with metal_kernels.enabled(on):
+        with kernels_enabled(on):
             cache = drafter.make_cache()
             drafter.append_context(t(ids)[1], cache)
             logits.append(drafter(block, cache))
+    assert calls == [5, None]  # the sliding layer, then the full one; none with kernels off
     _check(logits[0], logits[1], mx.float32)

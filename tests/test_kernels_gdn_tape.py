@@ -20,11 +20,6 @@ from dflash_mlx.target.hybrid import GatedDeltaCache, ReplayRollback, TapeRollba
 
 
 
-@pytest.fixture(scope="module")
-def metal_kernels():
-    pytest.skip("emulator not wired yet")
-
-
 # (B, T, Hk, Hv, Dk, Dv): GQA 1/2/4, Dk 32/64/128, Dv not a multiple of the threadgroup's 4 rows.
 SHAPES = [(1, 5, 2, 2, 32, 16), (1, 4, 1, 4, 64, 8), (2, 3, 2, 4, 32, 6), (1, 3, 1, 2, 128, 4)]
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -90,7 +85,7 @@ def _close(a: mx.array, b: mx.array, dtype) -> None:
 @pytest.mark.metal
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_reference(metal_kernels, shape, dtype):
+def test_kernel_matches_reference(metal_backend, shape, dtype):
     dt = DTYPES[dtype]
     q, k, v, g, beta, state = _inputs(*shape, dt, seed=1)
     y, s, delta = gt.gdn_tape_metal(q, k, v, g, beta, state)
@@ -104,7 +99,7 @@ def test_kernel_matches_reference(metal_kernels, shape, dtype):
 @pytest.mark.metal
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES[:3])
-def test_kernel_replay_is_its_forward_pass_bit_for_bit(metal_kernels, shape, dtype):
+def test_kernel_replay_is_its_forward_pass_bit_for_bit(metal_backend, shape, dtype):
     dt = DTYPES[dtype]
     q, k, v, g, beta, state = _inputs(*shape, dt, seed=2)
     _, s_full, delta = gt.gdn_tape_metal(q, k, v, g, beta, state)
@@ -118,13 +113,14 @@ def test_kernel_replay_is_its_forward_pass_bit_for_bit(metal_kernels, shape, dty
 
 # -- rollback through the tape -------------------------------------------------------------------------------------
 def _hybrid(kind="qwen3_5"):
-    # Key head size 32: what the kernels support (the shared family models use 16).
+    # Key head size 32: what the kernels support (the shared family models use 16). In eval mode, as loaded
+    # models are: training mode keeps the recurrence on mlx ops.
     gdn = dict(linear_key_head_dim=32, linear_value_head_dim=16)
     if kind == "qwen3_5":
         from cache_compare import CONFIGS
 
-        return build(kind, text_config=dict(CONFIGS[kind]["text_config"], **gdn))
-    return build(kind, **gdn)
+        return build(kind, text_config=dict(CONFIGS[kind]["text_config"], **gdn)).eval()
+    return build(kind, **gdn).eval()
 
 
 def _roll(t: TargetModel, ids, P, B, keep):
@@ -163,19 +159,19 @@ def test_default_rollback_is_the_replay_without_metal(monkeypatch):
 
 
 @pytest.mark.metal
-def test_tape_rollback_through_the_kernels_is_exact(metal_kernels):
+def test_tape_rollback_through_the_kernels_is_exact(metal_backend):
     """End to end on the kernels: rollback through the tape equals the kernel pass over the accepted prefix."""
     model = _hybrid()
-    t = TargetModel(model, recurrent_rollback=TapeRollback())
+    t = TargetModel(model)
+    assert isinstance(t.recurrent_rollback, TapeRollback)  # the default where kernels run
     P, B = 4, 4
     ids = mx.array(prompt(P + B, seed=4), dtype=mx.int32)[None]
-    with mx.stream(mx.gpu) if mx.metal.is_available() else metal_kernels.gpu_stream():
-        for keep in (0, 2):
-            ours = _roll(t, ids, P, B, keep)
-            assert all(c.last_write.tape[2] for c in ours if isinstance(c, GatedDeltaCache))
-            ref = t.make_cache()
-            t(ids[:, :P], ref)
-            if keep:
-                t(ids[:, P : P + keep], ref)
-            mx.eval([c.state for c in ref])
-            assert_caches_equal(ours, ref)
+    for keep in (0, 2):
+        ours = _roll(t, ids, P, B, keep)
+        assert all(c.last_write.tape[2] for c in ours if isinstance(c, GatedDeltaCache))
+        ref = t.make_cache()
+        t(ids[:, :P], ref)
+        if keep:
+            t(ids[:, P : P + keep], ref)
+        mx.eval([c.state for c in ref])
+        assert_caches_equal(ours, ref)

@@ -4,6 +4,8 @@ routes a quantized target's linears through the dispatcher changes nothing where
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -12,9 +14,13 @@ from dflash_mlx.metal import verify_qmm as vq
 from dflash_mlx.target import TargetModel
 
 
-@pytest.fixture(scope="module")
-def metal_kernels():
-    pytest.skip("emulator not wired yet")
+@contextmanager
+def kernels_enabled(on: bool):
+    """Kernels on (the `metal_backend` fixture's backend) or off (DFLASH_MLX_NO_METAL) inside the block."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not on:
+            mp.setenv("DFLASH_MLX_NO_METAL", "1")
+        yield
 
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -71,7 +77,7 @@ _TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 @pytest.mark.metal
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_kernel_matches_quantized_matmul(metal_kernels, case, dtype):
+def test_kernel_matches_quantized_matmul(metal_backend, case, dtype):
     M, K, N, gs, bits = case
     dt = DTYPES[dtype]
     x, w, s, b = _quantized(M, K, N, gs, bits, dt, seed=1)
@@ -85,16 +91,16 @@ def test_kernel_matches_quantized_matmul(metal_kernels, case, dtype):
 
 
 @pytest.mark.metal
-def test_quantized_target_verify_through_the_kernel(metal_kernels):
+def test_quantized_target_verify_through_the_kernel(metal_backend):
     """A 4-bit tiny target: a 5-token verify with its linears on the kernel matches mlx's own quantized matmul."""
     from tiny import build_target
 
     model = build_target("qwen3")
     nn.quantize(model, group_size=32, bits=4)
     ids = mx.array([[5, 17, 3, 42, 8, 11]], dtype=mx.int32)
-    with metal_kernels.enabled(False):
+    with kernels_enabled(False):
         ref = TargetModel(model)(ids)[0]
-    with metal_kernels.enabled(True):
+    with kernels_enabled(True):
         t = TargetModel(model)
         assert any(isinstance(m, vq.VerifyQuantizedLinear) for _, m in model.named_modules())
         out = t(ids)[0]
