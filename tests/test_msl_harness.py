@@ -102,6 +102,41 @@ def test_strided_inputs_keep_their_strides(metal_backend):
         np.testing.assert_array_equal(np.array(out), np.array(view))
 
 
+LANGUAGE = metal.kernel(
+    name="language",
+    input_names=["x"],
+    output_names=["out"],
+    source="""
+    // Metal idioms the shim must compile: vector types and loads, 2-D threadgroup arrays, half literals,
+    // template flags, MLX's Limits, fast:: and precise:: math, as_type, select.
+    threadgroup float4 tile[2][4];
+    uint t = thread_index_in_threadgroup;
+    float4 v = reinterpret_cast<const device float4*>(x)[t];
+    tile[t / 4][t % 4] = v * 2.0f + float4(1.0f);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float4 w = tile[(7 - t) / 4][(7 - t) % 4];
+    half4 h = half4(w);
+    out[t * 8 + 0] = dot(w, float4(1.0f, 0.0f, 0.0f, 0.0f));
+    out[t * 8 + 1] = float(h.y);
+    out[t * 8 + 2] = FLAG ? metal::clamp(w.z, 0.0f, float(LIM)) : -1.0f;
+    out[t * 8 + 3] = float(Limits<half>::finite_max) + float(Limits<int8_t>::min) + float(Limits<bfloat16_t>::min < 0.0f);
+    out[t * 8 + 4] = fast::exp(w.w * 0.0f) + precise::sqrt(4.0f);
+    out[t * 8 + 5] = as_type<float>(as_type<uint>(w.x));
+    out[t * 8 + 6] = float(simd_sum(half(1.0h)));
+    out[t * 8 + 7] = select(1.0f, 2.0f, t > 3);
+""",
+)
+
+
+@pytest.mark.metal
+def test_metal_language_idioms(metal_backend):
+    (out,) = LANGUAGE(inputs=[mx.arange(32, dtype=mx.float32)], template=[("FLAG", True), ("LIM", 5)],
+                      grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8, 8)], output_dtypes=[mx.float32])
+    for t, row in enumerate(np.array(out).tolist()):
+        first = 8 * (7 - t) + 1  # tile[7 - t].x = 2 * x[4 * (7 - t)] + 1
+        assert row == [first, first + 2, 5, 65504 - 128 + 1, 3, first, 8, 2 if t > 3 else 1], t
+
+
 # ---- collectives ----
 
 ROW_NORMALIZE = metal.kernel(

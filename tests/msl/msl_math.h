@@ -132,29 +132,29 @@ using namespace metal::fast;
 // ---- numeric limits ----
 template <class T> struct numeric_limits;
 template <> struct numeric_limits<float> {
-  static float max() { return msl_rt::bit_cast<float>(0x7f7fffffu); }
-  static float min() { return msl_rt::bit_cast<float>(0x00800000u); }
-  static float lowest() { return -max(); }
-  static float infinity() { return __builtin_inff(); }
-  static float quiet_NaN() { return __builtin_nanf(""); }
-  static float epsilon() { return msl_rt::bit_cast<float>(0x34000000u); }
+  static constexpr float max() { return 3.40282347e+38f; }
+  static constexpr float min() { return 1.17549435e-38f; }
+  static constexpr float lowest() { return -3.40282347e+38f; }
+  static constexpr float infinity() { return __builtin_inff(); }
+  static constexpr float quiet_NaN() { return __builtin_nanf(""); }
+  static constexpr float epsilon() { return 1.1920929e-07f; }
 };
 template <> struct numeric_limits<half> {
-  static half max() { return half(65504.0f); }
-  static half min() { return half(6.103515625e-05f); }
-  static half lowest() { return half(-65504.0f); }
-  static half infinity() { return half(__builtin_inff()); }
-  static half quiet_NaN() { return half(__builtin_nanf("")); }
-  static half epsilon() { return half(0.0009765625f); }
+  static constexpr half max() { return half(65504.0f); }
+  static constexpr half min() { return half(6.103515625e-05f); }
+  static constexpr half lowest() { return half(-65504.0f); }
+  static constexpr half infinity() { return half(__builtin_inff()); }
+  static constexpr half quiet_NaN() { return half(__builtin_nanf("")); }
+  static constexpr half epsilon() { return half(0.0009765625f); }
 };
 template <> struct numeric_limits<bfloat> {
-  static bfloat from(uint16_t b) { return msl_rt::bit_cast<bfloat>(b); }
-  static bfloat max() { return from(0x7f7f); }
-  static bfloat min() { return from(0x0080); }
-  static bfloat lowest() { return from(0xff7f); }
-  static bfloat infinity() { return from(0x7f80); }
-  static bfloat quiet_NaN() { return from(0x7fc0); }
-  static bfloat epsilon() { return from(0x3c00); }
+  static constexpr bfloat from(uint16_t b) { return bfloat(b, bfloat::bits_tag{}); }
+  static constexpr bfloat max() { return from(0x7f7f); }
+  static constexpr bfloat min() { return from(0x0080); }
+  static constexpr bfloat lowest() { return from(0xff7f); }
+  static constexpr bfloat infinity() { return from(0x7f80); }
+  static constexpr bfloat quiet_NaN() { return from(0x7fc0); }
+  static constexpr bfloat epsilon() { return from(0x3c00); }
 };
 #define MSL_INT_LIMITS(T, lo, hi)                  \
   template <> struct numeric_limits<T> {           \
@@ -167,6 +167,7 @@ MSL_INT_LIMITS(uint, 0u, 4294967295u)
 MSL_INT_LIMITS(short, short(-32768), short(32767))
 MSL_INT_LIMITS(ushort, ushort(0), ushort(65535))
 MSL_INT_LIMITS(char, char(-128), char(127))
+MSL_INT_LIMITS(signed char, (signed char)(-128), (signed char)(127))
 MSL_INT_LIMITS(uchar, uchar(0), uchar(255))
 MSL_INT_LIMITS(long, (-9223372036854775807L - 1), 9223372036854775807L)
 MSL_INT_LIMITS(ulong, 0ul, 18446744073709551615ul)
@@ -221,23 +222,31 @@ inline bool atomic_compare_exchange_weak_explicit(atomic<T>* o, T* expected, typ
 }  // namespace metal
 
 // ---- what MLX's utils.h gives every custom kernel ----
-template <class U> struct Limits {
-  static U max() { return metal::numeric_limits<U>::max(); }
-  static U min() { return metal::numeric_limits<U>::lowest(); }
-  static U finite_max() { return metal::numeric_limits<U>::max(); }
-  static U finite_min() { return metal::numeric_limits<U>::lowest(); }
+template <typename U> struct WorkPerThread {
+  static_assert(sizeof(U) <= 8, "Type too large");
+  static constexpr int n = 8 / sizeof(U);
 };
-#define MSL_FLOAT_LIMITS(T)                                                                 \
-  template <> struct Limits<T> {                                                            \
-    static T max() { return metal::numeric_limits<T>::infinity(); }                         \
-    static T min() { return T(-metal::numeric_limits<T>::infinity()); }                     \
-    static T finite_max() { return metal::numeric_limits<T>::max(); }                       \
-    static T finite_min() { return metal::numeric_limits<T>::lowest(); }                    \
+template <class U> struct Limits {
+  static constexpr U max = metal::numeric_limits<U>::max();
+  static constexpr U min = metal::numeric_limits<U>::min();
+  static constexpr U finite_max = metal::numeric_limits<U>::max();
+  static constexpr U finite_min = metal::numeric_limits<U>::min();
+};
+#define MSL_FLOAT_LIMITS(T)                                                   \
+  template <> struct Limits<T> {                                              \
+    static constexpr T max = metal::numeric_limits<T>::infinity();            \
+    static constexpr T min = T(-metal::numeric_limits<T>::infinity());        \
+    static constexpr T finite_max = metal::numeric_limits<T>::max();          \
+    static constexpr T finite_min = T(-metal::numeric_limits<T>::max());      \
   };
 MSL_FLOAT_LIMITS(float)
 MSL_FLOAT_LIMITS(metal::half)
 MSL_FLOAT_LIMITS(metal::bfloat)
 #undef MSL_FLOAT_LIMITS
+template <> struct Limits<bool> {
+  static constexpr bool max = true;
+  static constexpr bool min = false;
+};
 
 template <typename IdxT = int64_t>
 inline IdxT elem_to_loc(IdxT elem, const int* shape, const int64_t* strides, int ndim) {

@@ -51,37 +51,37 @@ template <> struct is_float<float> : std::true_type {};
 template <> struct is_float<_Float16> : std::true_type {};
 template <> struct is_float<metal::bfloat> : std::true_type {};
 
-template <class To, class From> inline To bit_cast(const From& x) {
+template <class To, class From> constexpr To bit_cast(const From& x) {
   static_assert(sizeof(To) == sizeof(From), "as_type needs types of the same size");
-  To y;
-  memcpy(&y, &x, sizeof(To));
-  return y;
+  return __builtin_bit_cast(To, x);
 }
 
 // float -> bfloat bits with round-to-nearest-even; NaN stays a (quiet) NaN.
-inline uint16_t float_to_bfloat_bits(float f) {
+constexpr uint16_t float_to_bfloat_bits(float f) {
   uint32_t u = bit_cast<uint32_t>(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
 }
 
-inline float bfloat_bits_to_float(uint16_t b) { return bit_cast<float>(uint32_t(b) << 16); }
+constexpr float bfloat_bits_to_float(uint16_t b) { return bit_cast<float>(uint32_t(b) << 16); }
 
 }  // namespace msl_rt
 
 namespace metal {
 
 struct bfloat {
+  struct bits_tag {};
   uint16_t bits;
   bfloat() = default;
-  bfloat(float f) : bits(msl_rt::float_to_bfloat_bits(f)) {}
+  constexpr bfloat(uint16_t b, bits_tag) : bits(b) {}
+  constexpr bfloat(float f) : bits(msl_rt::float_to_bfloat_bits(f)) {}
   template <class S, class = typename std::enable_if<msl_rt::is_scalar<S>::value &&
                                                      !std::is_same<S, bfloat>::value>::type>
-  bfloat(S s) : bfloat(float(s)) {}
-  operator float() const { return msl_rt::bfloat_bits_to_float(bits); }
-  bfloat operator-() const { return bfloat(-float(*this)); }
-  bfloat operator+() const { return *this; }
+  constexpr bfloat(S s) : bfloat(float(s)) {}
+  constexpr operator float() const { return msl_rt::bfloat_bits_to_float(bits); }
+  constexpr bfloat operator-() const { return bfloat(uint16_t(bits ^ 0x8000u), bits_tag{}); }
+  constexpr bfloat operator+() const { return *this; }
 };
 static_assert(sizeof(bfloat) == 2, "bfloat must be 16 bits");
 

@@ -133,9 +133,20 @@ _TG_DECL = re.compile(
 )
 
 
+_HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?!\w)")
+
+
+def _half_literal(m: re.Match) -> str:
+    number = m.group(1)
+    if not any(c in number for c in ".eE"):
+        number += ".0"
+    return f"(half({number}f))"
+
+
 def for_gcc(text: str, first_site: int = 0) -> tuple[str, int]:
     """Comment-free text with each `threadgroup T name[dims];` turned into a reference to storage shared by the
-    threadgroup, and every other `threadgroup` qualifier dropped. Returns the text and the next free site id."""
+    threadgroup, every other `threadgroup` qualifier dropped, and half literals (`1.5h`) spelled for g++. Returns
+    the text and the next free site id."""
     site = first_site
 
     def declaration(m: re.Match) -> str:
@@ -144,7 +155,7 @@ def for_gcc(text: str, first_site: int = 0) -> tuple[str, int]:
         dims = re.sub(r"\s+", "", m.group("dims"))
         return f"auto& {m.group('name')} = *msl_rt::tg_alloc<{m.group('type')}{dims}>({site});"
 
-    text = _TG_DECL.sub(declaration, strip_comments(text))
+    text = _HALF_LITERAL.sub(_half_literal, _TG_DECL.sub(declaration, strip_comments(text)))
     return re.sub(r"\bthreadgroup\b(?!_)", "", text), site
 
 
