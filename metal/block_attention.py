@@ -18,12 +18,16 @@ import mlx.core as mx
 from .kernel_file import kernels_on, load_kernel_file
 
 ROWS_PER_SIMDGROUP = 4  # DFLASH_ATTN_ROWS in the source
-MAX_SIMDGROUPS = 4
+# Up to 64 rows (all heads of a GQA group x 16 block rows) share one threadgroup, so each K/V element of a chunk is
+# read from memory once.
+MAX_SIMDGROUPS = 16
 MAX_ROWS = 16
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# Keys per chunk: enough threadgroups for long contexts, no merge overhead worth a thought for short ones.
-MIN_CHUNK = 256
+# Keys per chunk. A chunk's partial (float32 acc, max, sum per row) is written and read back once; at 512 keys
+# that is a quarter of the chunk's K/V bytes for 64 bf16 rows (2 * rows / chunk). Long contexts get up to 64
+# chunks per KV head, enough threadgroups to fill a large GPU. Not yet tuned on Apple hardware.
+MIN_CHUNK = 512
 MAX_CHUNKS = 64
 
 

@@ -111,6 +111,31 @@ def test_kernel_replay_is_its_forward_pass_bit_for_bit(metal_backend, shape, dty
     assert _bits_equal(gt.gdn_replay_metal(k, g, delta, state, T), s_full)
 
 
+@pytest.mark.metal
+def test_kernel_replay_rounds_a_low_precision_state_like_its_forward_pass(metal_backend):
+    """A bfloat16 state is rounded once, at the end of a write, by the forward pass and the replay alike."""
+    q, k, v, g, beta, state = _inputs(*SHAPES[0], mx.bfloat16, seed=5)
+    state = state.astype(mx.bfloat16)
+    _, _, delta = gt.gdn_tape_metal(q, k, v, g, beta, state)
+    _, s_prefix, _ = gt.gdn_tape_metal(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], state)
+    assert s_prefix.dtype == mx.bfloat16
+    assert _bits_equal(gt.gdn_replay_metal(k, g, delta, state, 3), s_prefix)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("shape", [SHAPES[0], (1, 3, 1, 2, 128, 8)])  # mlx-lm: generic, packed kernel
+def test_kernel_is_mlx_lm_kernel_bit_for_bit(metal_backend, shape):
+    """On Metal: y and state equal mlx-lm's own gated_delta_update kernel (what plain decoding runs)."""
+    if metal_backend != "metal":
+        pytest.skip("mlx-lm's kernel exists only on Metal")
+    from mlx_lm.models.gated_delta import gated_delta_kernel
+
+    q, k, v, g, beta, state = _inputs(*shape, mx.bfloat16, seed=6)
+    y, s, _ = gt.gdn_tape_metal(q, k, v, g, beta, state)
+    y_ref, s_ref = gated_delta_kernel(q, k, v, g, beta, state)
+    assert _bits_equal(y, y_ref) and _bits_equal(s, s_ref)
+
+
 # -- rollback through the tape -------------------------------------------------------------------------------------
 def _hybrid(kind="qwen3_5"):
     # Key head size 32: what the kernels support (the shared family models use 16). In eval mode, as loaded
