@@ -438,7 +438,7 @@ def test_out_of_range_accesses_hit_guard_pages():
     uint i = thread_position_in_grid.x;
     out[i] = x[i + 1];
     """)
-    with pytest.raises(Fault, match=r"out-of-range read 0 bytes past the end of 'x' \(256 bytes\).*thread \(63,0,0\)"):
+    with pytest.raises(Fault, match=r"out-of-range read at byte 256 of 'x' \(256 bytes long\).*thread \(63,0,0\)"):
         read_past(inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
                   output_dtypes=[mx.float32])
     write_input = emulated("write_input", ["x"], ["out"], """
@@ -458,6 +458,18 @@ def test_out_of_range_accesses_hit_guard_pages():
     with pytest.raises(Fault, match="out-of-range write of a threadgroup array"):
         tg_overrun(inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
                    output_dtypes=[mx.float32])
+
+
+def test_stack_overflow_is_reported():
+    k = emulated("huge_private_array", ["x"], ["out"], """
+    uint i = thread_position_in_grid.x;
+    volatile float big[100000];  // 400 KB of thread-private memory: far beyond a fiber's stack (and a GPU's)
+    big[i * 999] = x[i];
+    out[i] = big[i * 999];
+    """)
+    with pytest.raises(Fault, match="stack overflow"):
+        k(inputs=[mx.ones((4,))], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+          output_dtypes=[mx.float32])
 
 
 def test_threadgroup_memory_limit_and_thread_limit():

@@ -65,6 +65,9 @@ using metal::uint3;
 constexpr int kSimdWidth = 32;
 constexpr int kMaxThreads = 1024;             // Metal's maxTotalThreadsPerThreadgroup on Apple GPUs
 constexpr size_t kMaxThreadgroupBytes = 32768;  // Metal's threadgroup memory limit
+// Below each fiber stack: unbacked, inaccessible address space, so a frame that outgrows its stack faults here
+// instead of landing in a neighbour's stack.
+constexpr size_t kStackGuard = size_t(4) << 20;
 
 enum State : uint8_t { RUNNABLE, AT_BARRIER, AT_SIMD, DONE };
 
@@ -288,12 +291,9 @@ inline void describe_fault() {
   for (int i = 0; i < g_nbuffers; ++i) {
     const Buffer& b = g_buffers[i];
     if (a < b.map || a >= b.map + b.map_len) continue;
-    if (a >= b.data + b.nbytes)
-      snprintf(what, sizeof(what), "out-of-range %s %zu bytes past the end of '%s' (%zu bytes)", access,
-               (size_t)(a - (b.data + b.nbytes)), b.name, b.nbytes);
-    else if (a < b.data)
-      snprintf(what, sizeof(what), "out-of-range %s %zu bytes before the start of '%s'", access,
-               (size_t)(b.data - a), b.name);
+    if (a >= b.data + b.nbytes || a < b.data)
+      snprintf(what, sizeof(what), "out-of-range %s at byte %lld of '%s' (%zu bytes long)", access,
+               (long long)(a - b.data), b.name, b.nbytes);
     else
       snprintf(what, sizeof(what), "%s to input '%s', which is read-only", access, b.name);
   }
@@ -304,7 +304,7 @@ inline void describe_fault() {
   }
   for (int i = 0; i < g_nthreads; ++i) {
     char* st = g_threads[i].stack;
-    if (st && a >= st && a < st + g_page)
+    if (st && a >= st && a < st + kStackGuard)
       snprintf(what, sizeof(what), "stack overflow (recursion, or private arrays over %zu bytes)", g_stack_bytes);
   }
   if (g_fault_thread >= 0 && g_fault_thread < g_nthreads) {
@@ -328,15 +328,15 @@ static void fiber_main() {
 
 inline void start_fiber(Thread& t) {
 #if MSL_FAST_SWITCH
-  void** sp = (void**)(t.stack + g_stack_bytes + g_page);  // 16-byte aligned top
+  void** sp = (void**)(t.stack + kStackGuard + g_stack_bytes);  // 16-byte aligned top
   *--sp = nullptr;                                          // fiber_main's return address: it never returns
   *--sp = (void*)&fiber_main;                               // where msl_switch's `ret` lands
   for (int r = 0; r < 6; ++r) *--sp = nullptr;              // rbp, rbx, r12-r15
   t.sp = sp;
 #else
   getcontext(&t.ctx);
-  t.ctx.uc_stack.ss_sp = t.stack;
-  t.ctx.uc_stack.ss_size = g_stack_bytes + g_page;
+  t.ctx.uc_stack.ss_sp = t.stack + kStackGuard;
+  t.ctx.uc_stack.ss_size = g_stack_bytes;
   t.ctx.uc_link = &g_sched;
   makecontext(&t.ctx, fiber_main, 0);
 #endif
@@ -440,14 +440,14 @@ inline bool run_group(bool reverse) {
   for (int i = 0; i < g_nthreads; ++i) {
     Thread& t = g_threads[i];
     if (!t.stack) {
-      t.stack = (char*)mmap(nullptr, g_stack_bytes + g_page, PROT_READ | PROT_WRITE,
+      t.stack = (char*)mmap(nullptr, kStackGuard + g_stack_bytes, PROT_READ | PROT_WRITE,
                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (t.stack == MAP_FAILED) {
         t.stack = nullptr;
         set_error("cannot map a fiber stack");
         return false;
       }
-      mprotect(t.stack, g_page, PROT_NONE);  // stacks grow down into this guard page
+      mprotect(t.stack, kStackGuard, PROT_NONE);  // stacks grow down into this guard
     }
     start_fiber(t);
     t.state = RUNNABLE;
@@ -519,11 +519,18 @@ inline void setup_group(const int64_t* grid, const int64_t* group, const uint3& 
   }
 }
 
+// Everything a launch mapped goes back, stacks included: each loaded kernel has its own globals, and mappings
+// kept per kernel would add up against the process's limit on memory maps.
 inline void release_memory() {
   for (int i = 0; i < g_nbuffers; ++i) munmap(g_buffers[i].map, g_buffers[i].map_len);
   g_nbuffers = 0;
   for (int i = 0; i < g_nsites; ++i) munmap(g_sites[i].map, g_sites[i].map_len);
   g_nsites = 0;
+  for (int i = 0; i < kMaxThreads; ++i)
+    if (g_threads[i].stack) {
+      munmap(g_threads[i].stack, kStackGuard + g_stack_bytes);
+      g_threads[i].stack = nullptr;
+    }
 }
 
 // Runs the whole grid; 0 on success, 1 with a message in a->err on a fault.
@@ -540,15 +547,7 @@ inline int launch(const LaunchArgs* a, void (*body)()) {
              kMaxThreads);
     return 1;
   }
-  size_t want_stack = (size_t)a->stack_bytes;
-  if (want_stack != g_stack_bytes) {  // a new size: drop the old stacks
-    for (int i = 0; i < kMaxThreads; ++i)
-      if (g_threads[i].stack) {
-        munmap(g_threads[i].stack, g_stack_bytes + g_page);
-        g_threads[i].stack = nullptr;
-      }
-    g_stack_bytes = want_stack;
-  }
+  g_stack_bytes = (size_t)a->stack_bytes;
   static void* bufs[64];
   g_nbuffers = 0;
   for (int i = 0; i < a->nbufs; ++i) {
