@@ -369,14 +369,18 @@ def test_factory_routes_to_the_installed_backend(monkeypatch):
 
 # ---- faults: each a deliberately broken kernel the harness must flag ----
 
-def test_missing_barrier_is_caught_by_running_both_thread_orders():
+@pytest.mark.parametrize("between", ["", "s = simd_sum(s);"], ids=["nothing", "a collective"])
+def test_missing_barrier_is_caught_by_running_both_thread_orders(between):
+    # A SIMD collective between the write and the read is no barrier: other SIMD groups may not have written yet.
     source = """
     threadgroup float buf[64];
     uint t = thread_index_in_threadgroup;
-    buf[t] = x[thread_position_in_grid.x];
+    float s = x[thread_position_in_grid.x];
+    buf[t] = s;
+    {BETWEEN}
     {BARRIER}
-    out[thread_position_in_grid.x] = buf[63 - t];
-    """
+    out[thread_position_in_grid.x] = buf[63 - t] + 0.0f * s;
+    """.replace("{BETWEEN}", between)
     x = mx.arange(128, dtype=mx.float32)
     call = dict(inputs=[x], grid=(128, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(128,)],
                 output_dtypes=[mx.float32])

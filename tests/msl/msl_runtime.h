@@ -368,39 +368,36 @@ inline void describe_waits(char* out, size_t len) {
   }
 }
 
-// Completes the collectives of SIMD groups whose launched lanes all wait at the same one.
-inline bool complete_collectives() {
-  bool progressed = false;
-  for (int g0 = 0; g0 < g_nthreads; g0 += kSimdWidth) {
-    int g1 = g0 + kSimdWidth < g_nthreads ? g0 + kSimdWidth : g_nthreads;
-    const Thread& lead = g_threads[g0];
-    int waiting = 0;
-    for (int i = g0; i < g1; ++i) waiting += g_threads[i].state == AT_SIMD;
-    if (!waiting) continue;
-    for (int i = g0; i < g1; ++i) {
-      const Thread& t = g_threads[i];
-      if (t.state != AT_SIMD || t.wait_line != lead.wait_line || t.wait_op != lead.wait_op ||
-          t.wait_fn != lead.wait_fn || t.collectives != lead.collectives || lead.state != AT_SIMD) {
-        char states[2048];
-        describe_waits(states, sizeof(states));
-        set_error(
-            "SIMD collective under divergent control flow in SIMD group %d of threadgroup (%u,%u,%u): not every "
-            "lane reaches the same collective [%s]",
-            g0 / kSimdWidth, lead.threadgroup_position_in_grid.x, lead.threadgroup_position_in_grid.y,
-            lead.threadgroup_position_in_grid.z, states);
-        return false;
-      }
+// Completes the collective the SIMD group starting at thread g0 waits at, once all its launched lanes wait at the
+// same one. A group whose lanes are all blocked but not at one collective can never get there: divergence.
+inline bool complete_collective(int g0) {
+  int g1 = g0 + kSimdWidth < g_nthreads ? g0 + kSimdWidth : g_nthreads;
+  const Thread& lead = g_threads[g0];
+  int waiting = 0;
+  for (int i = g0; i < g1; ++i) waiting += g_threads[i].state == AT_SIMD;
+  if (!waiting) return false;
+  for (int i = g0; i < g1; ++i) {
+    const Thread& t = g_threads[i];
+    if (t.state != AT_SIMD || t.wait_line != lead.wait_line || t.wait_op != lead.wait_op ||
+        t.wait_fn != lead.wait_fn || t.collectives != lead.collectives || lead.state != AT_SIMD) {
+      char states[2048];
+      describe_waits(states, sizeof(states));
+      set_error(
+          "SIMD collective under divergent control flow in SIMD group %d of threadgroup (%u,%u,%u): not every "
+          "lane reaches the same collective [%s]",
+          g0 / kSimdWidth, lead.threadgroup_position_in_grid.x, lead.threadgroup_position_in_grid.y,
+          lead.threadgroup_position_in_grid.z, states);
+      return false;
     }
-    void* args[kSimdWidth] = {nullptr};
-    for (int i = g0; i < g1; ++i) args[i - g0] = g_threads[i].wait_arg;
-    lead.wait_fn(args);
-    for (int i = g0; i < g1; ++i) {
-      g_threads[i].state = RUNNABLE;
-      g_threads[i].collectives++;
-    }
-    progressed = true;
   }
-  return progressed;
+  void* args[kSimdWidth] = {nullptr};
+  for (int i = g0; i < g1; ++i) args[i - g0] = g_threads[i].wait_arg;
+  lead.wait_fn(args);
+  for (int i = g0; i < g1; ++i) {
+    g_threads[i].state = RUNNABLE;
+    g_threads[i].collectives++;
+  }
+  return true;
 }
 
 inline bool release_barrier() {
@@ -453,22 +450,28 @@ inline bool run_group(bool reverse) {
     t.state = RUNNABLE;
     t.barriers = t.collectives = 0;
   }
+  // Each SIMD group runs as far as it can (through its collectives) before the next one starts, as independent
+  // SIMD groups may on a GPU: only a threadgroup_barrier orders memory between them.
+  int ngroups = (g_nthreads + kSimdWidth - 1) / kSimdWidth;
   for (;;) {
     bool all_done = true;
-    for (int k = 0; k < g_nthreads; ++k) {
-      int i = reverse ? g_nthreads - 1 - k : k;
-      if (g_threads[i].state == RUNNABLE) {
-        g_current = i;
-        switch_to(g_threads[i]);
-        g_current = -1;
-        if (g_failed) return false;
-      }
-      all_done &= g_threads[i].state == DONE;
+    for (int gk = 0; gk < ngroups; ++gk) {
+      int g0 = (reverse ? ngroups - 1 - gk : gk) * kSimdWidth;
+      int n = g0 + kSimdWidth < g_nthreads ? kSimdWidth : g_nthreads - g0;
+      do {
+        for (int k = 0; k < n; ++k) {
+          int i = g0 + (reverse ? n - 1 - k : k);
+          if (g_threads[i].state != RUNNABLE) continue;
+          g_current = i;
+          switch_to(g_threads[i]);
+          g_current = -1;
+          if (g_failed) return false;
+        }
+      } while (complete_collective(g0));
+      if (g_failed) return false;
+      for (int k = 0; k < n; ++k) all_done &= g_threads[g0 + k].state == DONE;
     }
     if (all_done) return true;
-    bool completed = complete_collectives();
-    if (g_failed) return false;
-    if (completed) continue;
     if (release_barrier()) continue;
     if (!g_failed) {
       char states[2048];
