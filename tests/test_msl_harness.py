@@ -137,6 +137,40 @@ def test_metal_language_idioms(metal_backend):
         assert row == [first, first + 2, 5, 65504 - 128 + 1, 3, first, 8, 2 if t > 3 else 1], t
 
 
+SIGNATURE = """
+    uint i = thread_position_in_grid.x;
+    out[i] = T(a[i % a_shape[a_ndim - 1]] * s + float(small[0]) + float(simdgroup_index_in_threadgroup));
+"""
+
+
+def test_signature_is_the_one_mlx_writes(capsys):
+    k = emulated("sig", ["a", "s", "small"], ["out"], SIGNATURE)
+    a = mx.arange(12, dtype=mx.float32).reshape(3, 4)
+    (out,) = k(inputs=[a, 0.5, mx.array([7, 0, 0], dtype=mx.int32)], template=[("T", mx.float16)],
+               grid=(40, 1, 1), threadgroup=(40, 1, 1), output_shapes=[(40,)], output_dtypes=[mx.float16],
+               verbose=True)
+    # As mlx/backend/common/metal_kernel.cpp writes it: `_shape`/`_ndim` only because the body names them, the
+    # 0-d input by reference, the 3-element one in constant space, attributes in MLX's table order.
+    name = "custom_kernel_sig__float16_t_float_floats_int32_tc_float16_t"
+    assert f"""template <typename T>
+[[kernel]] void {name}(
+  const device float* a [[buffer(0)]],
+  const constant int* a_shape [[buffer(1)]],
+  const constant int& a_ndim [[buffer(2)]],
+  const constant float& s [[buffer(3)]],
+  const constant int32_t* small [[buffer(4)]],
+  device float16_t* out [[buffer(5)]],
+  uint simdgroup_index_in_threadgroup [[simdgroup_index_in_threadgroup]],
+  uint3 thread_position_in_grid [[thread_position_in_grid]]) {{
+{SIGNATURE}
+}}
+
+template [[host_name("{name}")]] [[kernel]] decltype({name}<float16_t>) {name}<float16_t>;
+""" in capsys.readouterr().out
+    want = np.arange(40) % 4 * 0.5 + 7 + (np.arange(40) >= 32)
+    np.testing.assert_array_equal(np.array(out), want.astype(np.float16))
+
+
 # ---- collectives ----
 
 ROW_NORMALIZE = metal.kernel(
@@ -500,6 +534,11 @@ def test_threadgroup_memory_limit_and_thread_limit():
 def test_lint_rejects_what_metal_forbids(bad, why):
     with pytest.raises(LintError, match=why):
         emulated("bad", ["x"], ["out"], f"out[0] = {bad};")
+
+
+def test_lint_rejects_threadgroup_declarations_it_cannot_share():
+    with pytest.raises(LintError, match="one threadgroup variable per statement"):
+        emulated("two_arrays", ["x"], ["out"], "threadgroup float a[4], b[4];\nout[0] = x[0];")
 
 
 def test_lint_rejects_recursion():

@@ -41,7 +41,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import dtypes
-from .source import LintError, Param, for_gcc, kernel_name, lint, signature, template_text, used_attributes
+from .source import (LintError, Param, for_gcc, instantiation, kernel_name, lint, signature, template_text,
+                     used_attributes)
 
 __all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "EmulatedKernel"]
 
@@ -202,7 +203,8 @@ class EmulatedKernel:
         sig, params = signature(func, self.source, self.input_names, arrays, self.output_names, list(output_dtypes),
                                 params_text, self.atomic_outputs)
         if verbose:
-            print(f"Generated source code for `{self.name}`:\n```\n{self.header}{sig}{self.source}\n}}\n```")
+            text = f"{self.header}{sig}{self.source}\n}}\n{instantiation(func, args_text)}"
+            print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
         sig_gcc, _ = for_gcc(sig)
         unit = (
             '#include "msl_shim.h"\nusing namespace metal;\n'

@@ -133,6 +133,8 @@ _TG_DECL = re.compile(
 )
 
 
+# A `threadgroup` declaration the rewrite did not take (several names, an initializer): not a pointer or reference.
+_TG_OTHER_DECL = re.compile(r"\bthreadgroup\s+[A-Za-z_][\w:]*(?:\s*<[^;{}]*?>)?\s+[A-Za-z_]\w*\s*[\[;,=]")
 _HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?!\w)")
 
 
@@ -156,6 +158,11 @@ def for_gcc(text: str, first_site: int = 0) -> tuple[str, int]:
         return f"auto& {m.group('name')} = *msl_rt::tg_alloc<{m.group('type')}{dims}>({site});"
 
     text = _HALF_LITERAL.sub(_half_literal, _TG_DECL.sub(declaration, strip_comments(text)))
+    left = _TG_OTHER_DECL.search(text)
+    if left:  # dropping `threadgroup` here would silently make the array private to each thread
+        line = text.count("\n", 0, left.start()) + 1
+        raise LintError(f"line {line}: unsupported threadgroup declaration {left.group(0).strip()!r}: declare one "
+                        f"threadgroup variable per statement, without an initializer")
     return re.sub(r"\bthreadgroup\b(?!_)", "", text), site
 
 
@@ -176,16 +183,25 @@ def template_text(template: list) -> tuple[str, str]:
 
 
 def kernel_name(name: str, template_args: str, inputs: list, output_dtypes: list) -> str:
-    """MLX's host name: custom_kernel_{name}[_{template hash}]_{input dtypes and passing}_{output dtypes}."""
+    """MLX's host name: custom_kernel_{name}, then `_` and its template hash (`<float, 4>` -> `_float_4`), then
+    each input's dtype (suffix `s` for 0-d, `c` for constant-space inputs) and each output's dtype."""
     out = "custom_kernel_" + name
     if template_args:
-        out += "_" + template_args.replace(", ", "_")
+        out += "_" + ("<" + template_args + ">").replace("<", "_").replace(">", "_").replace(", ", "_")[:-1]
     for x in inputs:
         out += "_" + type_string(x.dtype)
         out += "s" if x.ndim == 0 else ("c" if x.size < MAX_CONSTANT_ARRAY_SIZE else "")
     for d in output_dtypes:
         out += "_" + type_string(d)
     return out
+
+
+def instantiation(func: str, template_args: str) -> str:
+    """The explicit instantiation MLX appends for a templated kernel (Metal syntax; not compiled by g++)."""
+    if not template_args:
+        return ""
+    full = f"{func}<{template_args}>"
+    return f'\ntemplate [[host_name("{func}")]] [[kernel]] decltype({full}) {full};\n'
 
 
 def signature(func: str, source: str, input_names: list, inputs: list, output_names: list, output_dtypes: list,
