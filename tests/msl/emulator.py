@@ -47,7 +47,6 @@ from .source import (LintError, Param, for_gcc, instantiation, kernel_name, lint
 __all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "EmulatedKernel"]
 
 HERE = Path(__file__).resolve().parent
-SHIM_FILES = ["msl_shim.h", "msl_types.h", "msl_runtime.h", "msl_simd.h", "msl_math.h"]
 GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-w", "-fsingle-precision-constant", "-fno-strict-aliasing",
              "-ffp-contract=off", "-Wno-narrowing"]
 STACK_BYTES = 256 * 1024  # per GPU thread; only the pages a thread touches are ever backed
@@ -89,11 +88,11 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 
 
 def _shim_text() -> str:
+    """Every header a kernel compiles against: part of each cache key, so editing the shim recompiles."""
     global _SHIM_TEXT
     if _SHIM_TEXT is None:
-        files = SHIM_FILES + sorted(p.name for p in (HERE / "include").iterdir())
-        _SHIM_TEXT = "".join((HERE / f).read_text() if (HERE / f).exists() else (HERE / "include" / f).read_text()
-                             for f in files)
+        files = sorted(HERE.glob("*.h")) + sorted((HERE / "include").iterdir())
+        _SHIM_TEXT = "".join(f.read_text() for f in files)
     return _SHIM_TEXT
 
 
