@@ -18,9 +18,10 @@ import mlx.core as mx
 from .kernel_file import kernels_on, load_kernel_file
 
 ROWS_PER_SIMDGROUP = 4  # DFLASH_ATTN_ROWS in the source
-# Up to 64 rows (all heads of a GQA group x 16 block rows) share one threadgroup, so each K/V element of a chunk is
-# read from memory once.
-MAX_SIMDGROUPS = 16
+# Up to 32 rows (GQA heads x block rows of one KV head) share a threadgroup and each read of a K/V element; a
+# 4:1 group of 16 rows makes two threadgroups per chunk, adjacent in dispatch order, so the second read mostly
+# hits the cache. 256 threads: safe for this kernel's register use on every Apple GPU.
+MAX_SIMDGROUPS = 8
 MAX_ROWS = 16
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)

@@ -29,7 +29,7 @@ CASES = [
     (4, 2, 16, 64, 29, 12, True, 13),      # sliding window + causal block, 16 rows, odd chunk size
     (4, 1, 3, 128, 11, 4, True, None),     # window shorter than the block
     (2, 2, 5, 256, 7, None, True, 5),      # head_dim 256, causal only; a chunk boundary between context and block
-    (8, 1, 2, 64, 0, None, False, None),   # empty context; GQA 8
+    (8, 1, 6, 64, 0, None, False, None),   # empty context; GQA 8: 48 rows, two row groups, idle SIMD groups
 ]
 
 
