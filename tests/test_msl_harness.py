@@ -456,6 +456,20 @@ def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape):
           output_dtypes=[mx.float32])
 
 
+def test_endless_loop_is_stopped_by_the_watchdog(monkeypatch):
+    monkeypatch.setenv(emulator.TIMEOUT_ENV, "0.5")
+    k = emulated("spin", ["x"], ["out"], """
+    volatile uint spins = 0;
+    while (x[0] > 0.0f) {  // never ends: x[0] is 1
+        spins = spins + 1;
+    }
+    out[thread_position_in_grid.x] = float(spins);
+    """)
+    with pytest.raises(Fault, match="ran for more than 500 ms, stopped in thread \\(0,0,0\\)"):
+        k(inputs=[mx.ones((4,))], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+          output_dtypes=[mx.float32])
+
+
 def test_output_element_never_written():
     k = emulated("even_only", ["x"], ["out"], """
     uint i = thread_position_in_grid.x;

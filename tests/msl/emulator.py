@@ -22,7 +22,8 @@ order (threadgroups and threads) with another. The call raises `Fault` when
 - a run deadlocks (a barrier not reached by every thread), a SIMD collective is reached by only some lanes,
   threadgroup memory exceeds 32 KiB, or an access falls outside a buffer (guard pages) or a threadgroup array.
 `LintError` (Metal forbids it) and `CompileError` (g++'s message, with body line numbers) come before any run.
-Set DFLASH_MLX_MSL_CACHE to choose the cache folder (default: <tmp>/dflash-mlx-msl-<uid>).
+A run that takes longer than DFLASH_MLX_MSL_TIMEOUT seconds (default 120) is stopped and reported as a Fault
+rather than hanging. Set DFLASH_MLX_MSL_CACHE to choose the cache folder (default: <tmp>/dflash-mlx-msl-<uid>).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ HERE = Path(__file__).resolve().parent
 GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-w", "-fsingle-precision-constant", "-fno-strict-aliasing",
              "-ffp-contract=off", "-Wno-narrowing"]
 STACK_BYTES = 256 * 1024  # per GPU thread; only the pages a thread touches are ever backed
+TIMEOUT_ENV = "DFLASH_MLX_MSL_TIMEOUT"  # seconds one run of a launch may take (default 120)
 
 
 class CompileError(RuntimeError):
@@ -71,9 +73,14 @@ class _LaunchArgs(ctypes.Structure):
         ("writable", ctypes.POINTER(ctypes.c_int32)),
         ("names", ctypes.POINTER(ctypes.c_char_p)),
         ("stack_bytes", ctypes.c_int64),
+        ("timeout_ms", ctypes.c_int64),
         ("err", ctypes.c_void_p),
         ("err_len", ctypes.c_int64),
     ]
+
+
+def timeout_ms() -> int:
+    return int(float(os.environ.get(TIMEOUT_ENV, "120")) * 1000)
 
 
 def cache_dir() -> Path:
@@ -286,7 +293,7 @@ class EmulatedKernel:
         names = (ctypes.c_char_p * n)(*[b[0].encode() for b in bufs])
         err = ctypes.create_string_buffer(4096)
         args = _LaunchArgs((ctypes.c_int64 * 3)(*[int(g) for g in grid]), (ctypes.c_int64 * 3)(*group),
-                           int(reverse), n, host, nbytes, writable, names, self.stack_bytes,
+                           int(reverse), n, host, nbytes, writable, names, self.stack_bytes, timeout_ms(),
                            ctypes.cast(err, ctypes.c_void_p), len(err))
         if lib.msl_launch(ctypes.byref(args)) != 0:
             order = "reverse" if reverse else "forward"

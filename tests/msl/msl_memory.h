@@ -60,6 +60,11 @@ static void on_fault(int, siginfo_t* info, void* uctx) {
   siglongjmp(g_jmp, 1);
 }
 
+static void on_timeout(int, siginfo_t*, void*) {
+  g_fault_thread = g_current;
+  siglongjmp(g_jmp, 2);
+}
+
 inline void describe_fault() {
   char* a = (char*)g_fault_addr;
   const char* access = g_fault_write == 1 ? "write" : g_fault_write == 0 ? "read" : "access";

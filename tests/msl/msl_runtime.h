@@ -12,20 +12,26 @@
 
 namespace msl_rt {
 
-inline void describe_waits(char* out, size_t len) {
+// "threads 0-15 wait at simd_sum (line 2); threads 16-31 returned" for threads [lo, hi) of the group.
+inline void describe_waits(char* out, size_t len, int lo = 0, int hi = -1) {
+  if (hi < 0) hi = g_nthreads;
   size_t used = 0;
-  int i = 0;
-  while (i < g_nthreads && used + 200 < len) {
+  out[0] = 0;
+  int i = lo;
+  while (i < hi && used + 200 < len) {
     const Thread& t = g_threads[i];
+    bool waits = t.state == AT_BARRIER || t.state == AT_SIMD;
     int j = i + 1;
-    while (j < g_nthreads && g_threads[j].state == t.state &&
-           (t.state == DONE || (g_threads[j].wait_line == t.wait_line && g_threads[j].wait_op == t.wait_op)))
+    while (j < hi && g_threads[j].state == t.state &&
+           (!waits || (g_threads[j].wait_line == t.wait_line && g_threads[j].wait_op == t.wait_op)))
       ++j;
-    if (t.state == DONE)
-      used += snprintf(out + used, len - used, "%sthreads %d-%d returned", used ? "; " : "", i, j - 1);
+    const char* sep = used ? "; " : "";
+    if (waits)
+      used += snprintf(out + used, len - used, "%sthreads %d-%d wait at %s (line %u)", sep, i, j - 1, t.wait_op,
+                       t.wait_line);
     else
-      used += snprintf(out + used, len - used, "%sthreads %d-%d wait at %s (line %u)", used ? "; " : "", i, j - 1,
-                       t.wait_op, t.wait_line);
+      used += snprintf(out + used, len - used, "%sthreads %d-%d %s", sep, i, j - 1,
+                       t.state == DONE ? "returned" : "have not run yet");
     i = j;
   }
 }
@@ -43,7 +49,7 @@ inline bool complete_collective(int g0) {
     if (t.state != AT_SIMD || t.wait_line != lead.wait_line || t.wait_op != lead.wait_op ||
         t.wait_fn != lead.wait_fn || t.collectives != lead.collectives || lead.state != AT_SIMD) {
       char states[2048];
-      describe_waits(states, sizeof(states));
+      describe_waits(states, sizeof(states), g0, g1);
       set_error(
           "SIMD collective under divergent control flow in SIMD group %d of threadgroup (%u,%u,%u): not every "
           "lane reaches the same collective [%s]",
@@ -231,8 +237,27 @@ inline int launch(const LaunchArgs* a, void (*body)()) {
   sigaltstack(&alt, &old_alt);
   sigaction(SIGSEGV, &act, &old_segv);
   sigaction(SIGBUS, &act, &old_bus);
+  // The watchdog: SIGALRM aimed at this thread only (MLX's own threads must never take it).
+  struct sigaction alarm_act = act, old_alarm;
+  alarm_act.sa_sigaction = on_timeout;
+  sigaction(SIGALRM, &alarm_act, &old_alarm);
+  struct sigevent sev;
+  memset(&sev, 0, sizeof(sev));
+  sev.sigev_notify = SIGEV_THREAD_ID;
+  sev.sigev_signo = SIGALRM;
+  sev._sigev_un._tid = (pid_t)syscall(SYS_gettid);
+  timer_t timer;
+  bool timer_on = a->timeout_ms > 0 && timer_create(CLOCK_MONOTONIC, &sev, &timer) == 0;
+  if (timer_on) {
+    struct itimerspec spec;
+    memset(&spec, 0, sizeof(spec));
+    spec.it_value.tv_sec = a->timeout_ms / 1000;
+    spec.it_value.tv_nsec = (a->timeout_ms % 1000) * 1000000;
+    timer_settime(timer, 0, &spec, nullptr);
+  }
 
-  if (sigsetjmp(g_jmp, 1) == 0) {
+  int jumped = sigsetjmp(g_jmp, 1);
+  if (jumped == 0) {
     int64_t n[3];
     for (int d = 0; d < 3; ++d) n[d] = (a->grid[d] + a->group[d] - 1) / a->group[d];
     int64_t total = n[0] * n[1] * n[2];
@@ -242,9 +267,16 @@ inline int launch(const LaunchArgs* a, void (*body)()) {
       setup_group(a->grid, a->group, tg);
       if (!run_group(a->reverse != 0)) break;
     }
-  } else {
+  } else if (jumped == 1) {
     describe_fault();
+  } else {
+    char who[128] = "no thread";
+    if (g_fault_thread >= 0) describe_thread(who, sizeof(who), g_fault_thread);
+    set_error("the launch ran for more than %lld ms, stopped in %s: an endless loop?", (long long)a->timeout_ms,
+              who);
   }
+  if (timer_on) timer_delete(timer);
+  sigaction(SIGALRM, &old_alarm, nullptr);
   g_current = -1;
   sigaction(SIGSEGV, &old_segv, nullptr);
   sigaction(SIGBUS, &old_bus, nullptr);

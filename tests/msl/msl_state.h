@@ -10,6 +10,8 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -103,6 +105,7 @@ struct LaunchArgs {
   int32_t* writable;
   const char** names;
   int64_t stack_bytes;
+  int64_t timeout_ms;  // a launch running longer is stopped and reported (an endless loop would hang CI)
   char* err;
   int64_t err_len;
 };
