@@ -1,7 +1,7 @@
 """The MSL emulation harness (tests/msl): kernels run with GPU semantics, and broken kernels are caught.
 
 Positive tests (marked `metal`) use the `metal_backend` fixture, so on a Mac they run unchanged on real Metal; the
-fault tests need the emulator itself. Every kernel here compiles once per machine (cached by hash).
+fault tests (`needs_emulator`) run on the emulator itself: a broken kernel would hang or misbehave on a GPU. Every kernel here compiles once per machine (cached by hash).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dflash_mlx import metal
 from msl import emulator
 from msl.emulator import CompileError, Fault, LintError
 
-pytestmark = pytest.mark.skipif(not emulator.compiler_available(), reason="the MSL emulator needs g++")
+needs_emulator = pytest.mark.skipif(not emulator.supported(), reason="the MSL emulator needs Linux and g++")
 
 
 def emulated(name, inputs, outputs, source, header="", **kw):
@@ -143,6 +143,7 @@ SIGNATURE = """
 """
 
 
+@needs_emulator
 def test_signature_is_the_one_mlx_writes(capsys):
     k = emulated("sig", ["a", "s", "small"], ["out"], SIGNATURE)
     a = mx.arange(12, dtype=mx.float32).reshape(3, 4)
@@ -382,6 +383,7 @@ def test_atomic_outputs_with_init_value(metal_backend):
 
 # ---- the factory ----
 
+@needs_emulator
 def test_factory_routes_to_the_installed_backend(monkeypatch):
     if mx.metal.is_available():
         pytest.skip("this machine has Metal: the factory runs it, not the emulator")
@@ -403,6 +405,7 @@ def test_factory_routes_to_the_installed_backend(monkeypatch):
 
 # ---- faults: each a deliberately broken kernel the harness must flag ----
 
+@needs_emulator
 @pytest.mark.parametrize("between", ["", "s = simd_sum(s);"], ids=["nothing", "a collective"])
 def test_missing_barrier_is_caught_by_running_both_thread_orders(between):
     # A SIMD collective between the write and the read is no barrier: other SIMD groups may not have written yet.
@@ -427,6 +430,7 @@ def test_missing_barrier_is_caught_by_running_both_thread_orders(between):
     np.testing.assert_array_equal(np.array(out), want)
 
 
+@needs_emulator
 def test_simd_collective_under_divergent_control_flow():
     k = emulated("divergent_sum", ["x"], ["out"], """
     uint i = thread_position_in_grid.x;
@@ -441,6 +445,7 @@ def test_simd_collective_under_divergent_control_flow():
           output_dtypes=[mx.float32])
 
 
+@needs_emulator
 @pytest.mark.parametrize("escape", ["return;", "threadgroup_barrier(mem_flags::mem_none);"])
 def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape):
     k = emulated("half_barrier", ["x"], ["out"], f"""
@@ -456,6 +461,7 @@ def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape):
           output_dtypes=[mx.float32])
 
 
+@needs_emulator
 def test_endless_loop_is_stopped_by_the_watchdog(monkeypatch):
     monkeypatch.setenv(emulator.TIMEOUT_ENV, "0.5")
     k = emulated("spin", ["x"], ["out"], """
@@ -470,6 +476,7 @@ def test_endless_loop_is_stopped_by_the_watchdog(monkeypatch):
           output_dtypes=[mx.float32])
 
 
+@needs_emulator
 def test_output_element_never_written():
     k = emulated("even_only", ["x"], ["out"], """
     uint i = thread_position_in_grid.x;
@@ -485,6 +492,7 @@ def test_output_element_never_written():
     assert np.array(out).tolist() == [1, -1] * 8
 
 
+@needs_emulator
 def test_out_of_range_accesses_hit_guard_pages():
     read_past = emulated("read_past", ["x"], ["out"], """
     uint i = thread_position_in_grid.x;
@@ -512,6 +520,7 @@ def test_out_of_range_accesses_hit_guard_pages():
                    output_dtypes=[mx.float32])
 
 
+@needs_emulator
 def test_stack_overflow_is_reported():
     k = emulated("huge_private_array", ["x"], ["out"], """
     uint i = thread_position_in_grid.x;
@@ -524,6 +533,7 @@ def test_stack_overflow_is_reported():
           output_dtypes=[mx.float32])
 
 
+@needs_emulator
 def test_threadgroup_memory_limit_and_thread_limit():
     k = emulated("too_much_tg", ["x"], ["out"], """
     threadgroup float a[6000];
@@ -540,6 +550,7 @@ def test_threadgroup_memory_limit_and_thread_limit():
         k(threadgroup=(32, 33, 1), **{**call, "grid": (32, 33, 1)})
 
 
+@needs_emulator
 @pytest.mark.parametrize("bad, why", [
     ("std::max(x[0], 0.0f)", r"`std::`"),
     ("double(x[0])", r"`double`"),
@@ -550,17 +561,20 @@ def test_lint_rejects_what_metal_forbids(bad, why):
         emulated("bad", ["x"], ["out"], f"out[0] = {bad};")
 
 
+@needs_emulator
 def test_lint_rejects_threadgroup_declarations_it_cannot_share():
     with pytest.raises(LintError, match="one threadgroup variable per statement"):
         emulated("two_arrays", ["x"], ["out"], "threadgroup float a[4], b[4];\nout[0] = x[0];")
 
 
+@needs_emulator
 def test_lint_rejects_recursion():
     header = "inline uint fact(uint n) { return n < 2 ? 1 : n * fact(n - 1); }\n"
     with pytest.raises(LintError, match="`fact` calls itself"):
         emulated("recursive", ["x"], ["out"], "out[0] = fact(x[0]);", header=header)
 
 
+@needs_emulator
 def test_compile_errors_point_at_the_body_line():
     k = emulated("typo", ["x"], ["out"], "uint i = thread_position_in_grid.x;\nout[i] = x[i] + undefined_name;\n")
     with pytest.raises(CompileError, match=r"typo\.source:2"):

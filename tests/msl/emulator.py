@@ -33,6 +33,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -300,8 +301,9 @@ class EmulatedKernel:
             raise Fault(f"kernel {self.name!r} ({order} run): {err.value.decode(errors='replace')}")
 
 
-def compiler_available() -> bool:
-    return shutil.which("g++") is not None
+def supported() -> bool:
+    """The emulator runs on Linux (fibers, guard pages, a thread-directed watchdog) and needs g++."""
+    return sys.platform.startswith("linux") and shutil.which("g++") is not None
 
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str = "",
