@@ -4,8 +4,8 @@
 // uses them. Per value row of a head, per step t (state S [Dv, Dk] in float registers, rounded to its storage
 // dtype once, at the end):
 //   S = g_t * S;  delta_t = (v_t - S k_t) * beta_t;  S = S + delta_t k_t^T;  y_t = S q_t
-// The forward pass is arithmetic-for-arithmetic mlx-lm's gated_delta_update kernel (same lane layout, same
-// per-lane order, simd_sum reductions), and it also writes delta_t (float32) to the tape. The replay re-applies
+// The forward pass is arithmetic-for-arithmetic mlx-lm's gated_delta_update kernel for the same shape (its generic
+// simd_sum kernel, or its packed Dk = 128 kernel), and it also writes delta_t (float32) to the tape. The replay re-applies
 // only the two state updates for the kept steps, with the same expressions, so the state it returns is the
 // state the forward pass held after those steps, bit for bit: nothing is recomputed that could round differently.
 
@@ -73,6 +73,84 @@ for (int t = 0; t < steps; ++t) {
 }
 for (int i = 0; i < n_per_t; ++i) {
   state_out[(n * Dv + dv_idx) * Dk + n_per_t * dk_idx + i] = static_cast<StT>(state[i]);
+}
+
+// ---- kernel: dflash_gdn_tape_packed
+// The Dk = 128 layout of mlx-lm's packed kernel (the one it runs for these shapes), with the same arithmetic:
+// 4 lanes per value row, 8 rows per SIMD group, 32 state columns per lane; each lane sums its columns in 4-element
+// chains combined pairwise, then shuffle_xor 1 and 2 finish the row. Inputs and outputs as dflash_gdn_tape.
+// Grid (32, Dv / 8, B * Hv), threadgroup (32, 2, 1).
+constexpr int lanes_per_row = 4;
+constexpr int rows_per_simdgroup = 32 / lanes_per_row;
+constexpr int Dk = 128;
+constexpr int values_per_lane = Dk / lanes_per_row;
+constexpr int partials_per_lane = values_per_lane / 4;
+const int Hk = k_shape[2];
+const int Hv = v_shape[2];
+const int Dv = v_shape[3];
+const int n = int(thread_position_in_grid.z);
+const int b_idx = n / Hv;
+const int hv_idx = n % Hv;
+const int hk_idx = hv_idx / (Hv / Hk);
+const int lane = int(thread_index_in_simdgroup);
+const int lane_in_row = lane & (lanes_per_row - 1);
+const int dv_idx = int(thread_position_in_grid.y) * rows_per_simdgroup + lane / lanes_per_row;
+
+auto q_ = q + (b_idx * steps * Hk + hk_idx) * Dk + lane_in_row * values_per_lane;
+auto k_ = k + (b_idx * steps * Hk + hk_idx) * Dk + lane_in_row * values_per_lane;
+auto v_ = v + (b_idx * steps * Hv + hv_idx) * Dv;
+auto g_ = g + b_idx * steps * Hv;
+auto beta_ = beta + b_idx * steps * Hv;
+const int yd = b_idx * steps * Hv * Dv + hv_idx * Dv;
+const int s_at = (n * Dv + dv_idx) * Dk + lane_in_row * values_per_lane;
+
+float state[values_per_lane];
+for (int i = 0; i < values_per_lane; ++i) {
+  state[i] = static_cast<float>(state_in[s_at + i]);
+}
+
+for (int t = 0; t < steps; ++t) {
+  const float gt = static_cast<float>(g_[hv_idx]);
+  float part[partials_per_lane];
+  for (int pb = 0; pb < partials_per_lane; ++pb) {
+    float acc = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      const int e = pb * 4 + i;
+      state[e] = state[e] * gt;
+      acc += state[e] * static_cast<float>(k_[e]);
+    }
+    part[pb] = acc;
+  }
+  float kv_mem = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  kv_mem += simd_shuffle_xor(kv_mem, 1);
+  kv_mem += simd_shuffle_xor(kv_mem, 2);
+
+  const float delta_t = (static_cast<float>(v_[dv_idx]) - kv_mem) * static_cast<float>(beta_[hv_idx]);
+
+  for (int pb = 0; pb < partials_per_lane; ++pb) {
+    float acc = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      const int e = pb * 4 + i;
+      state[e] = state[e] + static_cast<float>(k_[e]) * delta_t;
+      acc += state[e] * static_cast<float>(q_[e]);
+    }
+    part[pb] = acc;
+  }
+  float out = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  out += simd_shuffle_xor(out, 1);
+  out += simd_shuffle_xor(out, 2);
+  if (lane_in_row == 0) {
+    y[yd + t * Hv * Dv + dv_idx] = static_cast<InT>(out);
+    delta[yd + t * Hv * Dv + dv_idx] = delta_t;
+  }
+  q_ += Hk * Dk;
+  k_ += Hk * Dk;
+  v_ += Hv * Dv;
+  g_ += Hv;
+  beta_ += Hv;
+}
+for (int i = 0; i < values_per_lane; ++i) {
+  state_out[s_at + i] = static_cast<StT>(state[i]);
 }
 
 // ---- kernel: dflash_gdn_replay

@@ -14,6 +14,7 @@ Shapes are mlx-lm's: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -84,6 +85,13 @@ def _kernels():
         source=src.bodies["dflash_gdn_tape"],
         header=src.header,
     )
+    tape_packed = kernel(
+        name="dflash_gdn_tape_packed",
+        input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
+        output_names=["y", "state_out", "delta"],
+        source=src.bodies["dflash_gdn_tape_packed"],
+        header=src.header,
+    )
     replay = kernel(
         name="dflash_gdn_replay",
         input_names=["k", "g", "delta", "state_in", "keep"],
@@ -91,7 +99,7 @@ def _kernels():
         source=src.bodies["dflash_gdn_replay"],
         header=src.header,
     )
-    return tape, replay
+    return tape, tape_packed, replay
 
 
 def gdn_tape_metal(q, k, v, g, beta, state=None):
@@ -99,12 +107,15 @@ def gdn_tape_metal(q, k, v, g, beta, state=None):
     state = _zeros_state(k, v) if state is None else state
     B, T, _, _ = k.shape
     Hv, Dv = v.shape[2:]
-    tape, _ = _kernels()
-    y, state_out, delta = tape(
+    tape, tape_packed, _ = _kernels()
+    # mlx-lm's choice of layout, so that y and the state are the bits its own kernel gives.
+    packed = k.shape[3] == 128 and Dv % 8 == 0 and state.dtype == mx.float32 and \
+        os.environ.get("MLX_GDN_PACKED", "1") != "0"
+    y, state_out, delta = (tape_packed if packed else tape)(
         inputs=[q, k, v, g.astype(mx.float32), beta, state, T],
         template=[("InT", q.dtype), ("StT", state.dtype)],
-        grid=(32, Dv, B * Hv),
-        threadgroup=(32, 4, 1),
+        grid=(32, Dv // 8, B * Hv) if packed else (32, Dv, B * Hv),
+        threadgroup=(32, 2, 1) if packed else (32, 4, 1),
         output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv)],
         output_dtypes=[q.dtype, state.dtype, mx.float32],
     )
@@ -115,7 +126,7 @@ def gdn_replay_metal(k, g, delta, state, keep):
     """The replay kernel; same arguments and result as `gdn_replay_reference`."""
     B, _, _, Dk = k.shape
     Hv, Dv = delta.shape[2:]
-    _, replay = _kernels()
+    _, _, replay = _kernels()
     (state_out,) = replay(
         inputs=[k, g.astype(mx.float32), delta, state, keep],
         template=[("StT", state.dtype)],

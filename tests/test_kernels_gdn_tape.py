@@ -20,8 +20,10 @@ from dflash_mlx.target.hybrid import GatedDeltaCache, ReplayRollback, TapeRollba
 
 
 
-# (B, T, Hk, Hv, Dk, Dv): GQA 1/2/4, Dk 32/64/128, Dv not a multiple of the threadgroup's 4 rows.
-SHAPES = [(1, 5, 2, 2, 32, 16), (1, 4, 1, 4, 64, 8), (2, 3, 2, 4, 32, 6), (1, 3, 1, 2, 128, 4)]
+# (B, T, Hk, Hv, Dk, Dv): GQA 1/2/4, Dk 32/64/128, Dv not a multiple of the threadgroup's 4 rows; the last one
+# takes the packed Dk = 128 layout (Dv % 8 == 0), as mlx-lm does.
+SHAPES = [(1, 5, 2, 2, 32, 16), (1, 4, 1, 4, 64, 8), (2, 3, 2, 4, 32, 6), (1, 3, 1, 2, 128, 4), (1, 4, 2, 4, 128, 16)]
+PACKED = SHAPES[4]
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -98,7 +100,7 @@ def test_kernel_matches_reference(metal_backend, shape, dtype):
 
 @pytest.mark.metal
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", SHAPES[:3])
+@pytest.mark.parametrize("shape", [*SHAPES[:3], PACKED])
 def test_kernel_replay_is_its_forward_pass_bit_for_bit(metal_backend, shape, dtype):
     dt = DTYPES[dtype]
     q, k, v, g, beta, state = _inputs(*shape, dt, seed=2)
@@ -123,7 +125,7 @@ def test_kernel_replay_rounds_a_low_precision_state_like_its_forward_pass(metal_
 
 
 @pytest.mark.metal
-@pytest.mark.parametrize("shape", [SHAPES[0], (1, 3, 1, 2, 128, 8)])  # mlx-lm: generic, packed kernel
+@pytest.mark.parametrize("shape", [SHAPES[0], PACKED])  # mlx-lm's generic kernel, its packed kernel
 def test_kernel_is_mlx_lm_kernel_bit_for_bit(metal_backend, shape):
     """On Metal: y and state equal mlx-lm's own gated_delta_update kernel (what plain decoding runs)."""
     if metal_backend != "metal":
