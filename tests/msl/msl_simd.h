@@ -5,7 +5,8 @@
 // never arrives is reported as divergent control flow). Lanes the dispatch did not launch (the tail of a partial
 // SIMD group) do not take part; reading their value through a shuffle gives a poison value (NaN, or a sentinel).
 // simdgroup_matrix<T, 8, 8> keeps Apple's fragment layout, the one MLX's steel kernels assume: lane l holds row
-// (l / 4 & 4) + (l / 2 % 4), columns 2 * (l / 4 & 2) + 2 * (l % 2) and the next one.
+// (l / 4 & 4) + (l / 2 % 4), columns 2 * (l / 4 & 2) + 2 * (l % 2) and the next one. A multiply sums each
+// 8-term product in float and rounds once to the element type.
 #pragma once
 
 #include "msl_runtime.h"
@@ -281,6 +282,9 @@ template <class TD, class TA, class TB, class TC>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                           const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c,
                                           unsigned line = __builtin_LINE()) {
+  // Metal's overloads take one element type for all four matrices (MLX converts before its mma, too).
+  static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value && std::is_same<TD, TC>::value,
+                "simdgroup_multiply_accumulate: all four matrices must have the same element type");
   msl_rt::MmaArg<TD, TA, TB, TC> arg{&d, &a, &b, &c};
   msl_rt::simd_wait("simdgroup_multiply_accumulate", line, msl_rt::complete_mma<TD, TA, TB, TC>, &arg);
 }
@@ -288,6 +292,8 @@ inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const s
 template <class TD, class TA, class TB>
 inline void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                const simdgroup_matrix<TB, 8, 8>& b, unsigned line = __builtin_LINE()) {
+  static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value,
+                "simdgroup_multiply: all three matrices must have the same element type");
   msl_rt::MmaArg<TD, TA, TB, TD> arg{&d, &a, &b, nullptr};
   msl_rt::simd_wait("simdgroup_multiply", line, msl_rt::complete_mma<TD, TA, TB, TD>, &arg);
 }
