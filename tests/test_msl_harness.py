@@ -556,6 +556,8 @@ def test_threadgroup_memory_limit_and_thread_limit():
     ("std::max(x[0], 0.0f)", r"`std::`"),
     ("double(x[0])", r"`double`"),
     ("*(new float(x[0]))", r"`new`"),
+    ("x[0]; printf(\"%f\", x[0])", r"C library"),
+    ("x[0]; try { out[1] = 1.0f; } catch (...) {}", r"exceptions"),
 ])
 def test_lint_rejects_what_metal_forbids(bad, why):
     with pytest.raises(LintError, match=why):

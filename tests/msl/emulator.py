@@ -50,7 +50,7 @@ __all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "E
 
 HERE = Path(__file__).resolve().parent
 GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-w", "-fsingle-precision-constant", "-fno-strict-aliasing",
-             "-ffp-contract=off", "-Wno-narrowing"]
+             "-ffp-contract=off", "-Wno-narrowing", "-fno-exceptions", "-fno-rtti"]
 STACK_BYTES = 256 * 1024  # per GPU thread; only the pages a thread touches are ever backed
 TIMEOUT_ENV = "DFLASH_MLX_MSL_TIMEOUT"  # seconds one run of a launch may take (default 120)
 

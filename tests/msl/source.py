@@ -85,7 +85,7 @@ def strip_comments(text: str) -> str:
 
 
 _FUNC_DEF = re.compile(r"\b([A-Za-z_]\w*)\s*\(((?:[^;{}()]|\([^()]*\))*)\)\s*(?:const\s*)?\{")
-_KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "catch", "decltype", "static_assert"}
+_KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "decltype", "static_assert"}
 
 
 def _body_end(text: str, open_brace: int) -> int:
@@ -101,7 +101,8 @@ def _body_end(text: str, open_brace: int) -> int:
 
 
 def lint(name: str, source: str, header: str) -> None:
-    """Raise LintError for `std::`, `double`, `new`/`delete` or a directly recursive helper function."""
+    """Raise LintError for what Metal forbids but g++ compiles: `std::`, `double`, `new`/`delete`, `virtual`,
+    exceptions, C library calls, or a helper function that calls itself."""
     problems = []
     for where, text in (("source", source), ("header", header)):
         clean = strip_comments(text)
@@ -110,6 +111,10 @@ def lint(name: str, source: str, header: str) -> None:
             (r"\bdouble\b", "`double` (Metal has no 64-bit floats)"),
             (r"\bnew\b", "`new` (Metal has no dynamic allocation)"),
             (r"\bdelete\b", "`delete` (Metal has no dynamic allocation)"),
+            (r"\bvirtual\b", "`virtual` (Metal has no virtual functions)"),
+            (r"\b(?:throw|try|catch)\b", "exceptions (Metal has none)"),
+            (r"\b(?:printf|malloc|calloc|free|memcpy|memset|memmove|strlen)\s*\(",
+             "a C library call (Metal has no C library)"),
         ):
             m = re.search(pattern, clean)
             if m:
