@@ -573,8 +573,15 @@ def test_lint_rejects_threadgroup_declarations_it_cannot_share():
 @needs_emulator
 def test_lint_rejects_recursion():
     header = "inline uint fact(uint n) { return n < 2 ? 1 : n * fact(n - 1); }\n"
-    with pytest.raises(LintError, match="`fact` calls itself"):
+    with pytest.raises(LintError, match="`fact` -> `fact`"):
         emulated("recursive", ["x"], ["out"], "out[0] = fact(x[0]);", header=header)
+    header = ("inline bool is_odd(uint n);\n"
+              "inline bool is_even(uint n) { return n == 0 ? true : is_odd(n - 1); }\n"
+              "inline bool is_odd(uint n) { return n == 0 ? false : is_even(n - 1); }\n"
+              "inline uint twice(uint n) { return metal::max(n, n) * 2; }\n")
+    with pytest.raises(LintError, match="`is_even` -> `is_odd` -> `is_even`"):
+        emulated("mutual", ["x"], ["out"], "out[0] = is_even(x[0]);", header=header)
+    emulated("helpers", ["x"], ["out"], "out[0] = twice(x[0]);", header=header.split("\n", 3)[3])  # no cycle
 
 
 @needs_emulator

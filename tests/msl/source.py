@@ -100,9 +100,37 @@ def _body_end(text: str, open_brace: int) -> int:
     return len(text)
 
 
+def _recursion(text: str) -> list[str]:
+    """A cycle in the call graph of the functions `text` defines (e.g. ["f", "g", "f"]), or []."""
+    calls: dict[str, set[str]] = {}
+    bodies = []
+    for m in _FUNC_DEF.finditer(text):
+        if m.group(1) not in _KEYWORDS:
+            bodies.append((m.group(1), text[m.end(): _body_end(text, m.end() - 1)]))
+    names = {f for f, _ in bodies}
+    for func, body in bodies:
+        called = {c for c in re.findall(r"(?<![\w.:>])([A-Za-z_]\w*)\s*\(", body) if c in names}
+        calls.setdefault(func, set()).update(called)
+
+    def walk(func: str, path: list[str]) -> list[str]:
+        if func in path:
+            return path[path.index(func):] + [func]
+        for callee in sorted(calls.get(func, ())):
+            found = walk(callee, path + [func])
+            if found:
+                return found
+        return []
+
+    for func in sorted(calls):
+        found = walk(func, [])
+        if found:
+            return found
+    return []
+
+
 def lint(name: str, source: str, header: str) -> None:
     """Raise LintError for what Metal forbids but g++ compiles: `std::`, `double`, `new`/`delete`, `virtual`,
-    exceptions, C library calls, or a helper function that calls itself."""
+    exceptions, C library calls, or header functions that call themselves, directly or through each other."""
     problems = []
     for where, text in (("source", source), ("header", header)):
         clean = strip_comments(text)
@@ -120,14 +148,9 @@ def lint(name: str, source: str, header: str) -> None:
             if m:
                 line = clean.count("\n", 0, m.start()) + 1
                 problems.append(f"{where} line {line}: {why}")
-        for m in _FUNC_DEF.finditer(clean):
-            func = m.group(1)
-            if func in _KEYWORDS:
-                continue
-            body = clean[m.end(): _body_end(clean, m.end() - 1)]
-            if re.search(r"(?<![\w.:>])" + re.escape(func) + r"\s*\(", body):
-                line = clean.count("\n", 0, m.start()) + 1
-                problems.append(f"{where} line {line}: `{func}` calls itself (Metal forbids recursion)")
+    cycle = _recursion(strip_comments(header))
+    if cycle:
+        problems.append(f"header: {' -> '.join(f'`{f}`' for f in cycle)} (Metal forbids recursion)")
     if problems:
         raise LintError(f"kernel {name!r} is not valid Metal: " + "; ".join(problems))
 
