@@ -1,14 +1,16 @@
 """Fidelity of the MSL emulator on kernels it was not written for: mlx-lm's own production Metal kernels.
 
-mlx-lm builds its fused kernels (mlx_lm/kernels/) with mx.fast.metal_kernel at import. Reloading those modules
-with the emulator standing in for mx.fast.metal_kernel runs their exact sources and call arguments here; they
-must run without a fault (no false alarm on correct code: whole SIMD groups returning early, alternating
-threadgroup buffers instead of a second barrier, strided inputs) and match pure-MLX references.
+mlx-lm builds its fused kernels (mlx_lm/kernels/, and the GatedDeltaNet kernels of models/gated_delta.py) with
+mx.fast.metal_kernel at import. Reloading those modules with the emulator standing in for mx.fast.metal_kernel
+(and Metal reported present) runs their exact sources and call arguments here; they must run without a fault (no
+false alarm on correct code: whole SIMD groups returning early, alternating threadgroup buffers instead of a
+second barrier, strided inputs) and match pure-MLX references. Afterwards the modules are rebuilt as they were.
 """
 
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -23,19 +25,32 @@ pytest.importorskip("mlx_lm.kernels", reason="this mlx-lm has no fused kernels")
 MODULES = ["qk_norm_rope", "expert_routing", "rms_norm_sigmoid_gate", "norm_add_norm"]
 
 
+@contextmanager
+def rebuilt_on_emulator(names: list[str]):
+    modules = [importlib.import_module(name) for name in names]
+    real_factory, real_available = mx.fast.metal_kernel, mx.metal.is_available
+    mx.fast.metal_kernel, mx.metal.is_available = emulator.metal_kernel, lambda: True
+    try:
+        rebuilt = [importlib.reload(m) for m in modules]
+    finally:
+        mx.fast.metal_kernel, mx.metal.is_available = real_factory, real_available
+    try:
+        yield rebuilt
+    finally:
+        for m in modules:
+            importlib.reload(m)
+
+
 @pytest.fixture(scope="module")
 def kernels():
-    """mlx-lm's kernel modules, rebuilt on the emulator; rebuilt with MLX's own factory afterwards."""
-    modules = [importlib.import_module(f"mlx_lm.kernels.{name}") for name in MODULES]
-    real = mx.fast.metal_kernel
-    mx.fast.metal_kernel = emulator.metal_kernel
-    try:
-        rebuilt = {name: importlib.reload(m) for name, m in zip(MODULES, modules)}
-    finally:
-        mx.fast.metal_kernel = real
-    yield rebuilt
-    for m in modules:
-        importlib.reload(m)
+    with rebuilt_on_emulator([f"mlx_lm.kernels.{name}" for name in MODULES]) as modules:
+        yield dict(zip(MODULES, modules))
+
+
+@pytest.fixture(scope="module")
+def gated_delta():
+    with rebuilt_on_emulator(["mlx_lm.models.gated_delta"]) as (module,):
+        yield module
 
 
 def rms(x: mx.array, eps: float) -> mx.array:
@@ -86,3 +101,32 @@ def test_pre_norm_with_threadgroup_sums(kernels, dim):
     stream = mx.random.normal((3, dim), key=mx.random.key(6))
     out = kernels["norm_add_norm"].pre_norm(stream, norm, dtype=mx.float32)
     np.testing.assert_allclose(np.array(out), np.array(mx.fast.rms_norm(stream, norm.weight, 1e-5)), atol=1e-5)
+
+
+def test_gated_delta_kernels(gated_delta):
+    b, t, hk, hv, dk, dv = 1, 3, 1, 2, 128, 16  # Dk = 128 with a scalar gate takes the packed kernel
+    key = iter(mx.random.split(mx.random.key(7), 8))
+    q = mx.random.normal((b, t, hk, dk), key=next(key)) * 0.1
+    k = mx.random.normal((b, t, hk, dk), key=next(key)) * 0.1
+    v = mx.random.normal((b, t, hv, dv), key=next(key))
+    g = mx.exp(-mx.random.uniform(shape=(b, t, hv), key=next(key)))
+    g_vec = mx.exp(-mx.random.uniform(shape=(b, t, hv, dk), key=next(key)))
+    beta = mx.sigmoid(mx.random.normal((b, t, hv), key=next(key)))
+    state = mx.random.normal((b, hv, dv, dk), key=next(key)) * 0.1
+    mask = mx.array([[True, False, True]])
+
+    def check(kernel, gate, mask=None):
+        y, s = kernel(q, k, v, gate, beta, state, mask)
+        y_ref, s_ref = gated_delta.gated_delta_ops(q, k, v, gate, beta, state, mask)
+        keep = np.ones(t, bool) if mask is None else np.array(mask[0])  # a masked step's output is unused
+        np.testing.assert_allclose(np.array(y)[:, keep], np.array(y_ref)[:, keep], atol=1e-6)
+        np.testing.assert_allclose(np.array(s), np.array(s_ref), atol=1e-6)
+        return y, s
+
+    packed = check(gated_delta.gated_delta_kernel, g)
+    check(gated_delta.gated_delta_kernel_unpacked, g)
+    check(gated_delta.gated_delta_kernel, g_vec)
+    check(gated_delta.gated_delta_kernel, g, mask)
+    # mlx-lm's contract: the packed kernel equals its explicit-tree comparator bit for bit (simd_shuffle_xor)
+    tree = gated_delta.gated_delta_kernel_xtree(q, k, v, g, beta, state)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(packed, tree))
