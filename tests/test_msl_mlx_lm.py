@@ -9,9 +9,6 @@ second barrier, strided inputs) and match pure-MLX references. Afterwards the mo
 
 from __future__ import annotations
 
-import importlib
-from contextlib import contextmanager
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -25,31 +22,15 @@ pytest.importorskip("mlx_lm.kernels", reason="this mlx-lm has no fused kernels")
 MODULES = ["qk_norm_rope", "expert_routing", "rms_norm_sigmoid_gate", "norm_add_norm"]
 
 
-@contextmanager
-def rebuilt_on_emulator(names: list[str]):
-    modules = [importlib.import_module(name) for name in names]
-    real_factory, real_available = mx.fast.metal_kernel, mx.metal.is_available
-    mx.fast.metal_kernel, mx.metal.is_available = emulator.metal_kernel, lambda: True
-    try:
-        rebuilt = [importlib.reload(m) for m in modules]
-    finally:
-        mx.fast.metal_kernel, mx.metal.is_available = real_factory, real_available
-    try:
-        yield rebuilt
-    finally:
-        for m in modules:
-            importlib.reload(m)
-
-
 @pytest.fixture(scope="module")
 def kernels():
-    with rebuilt_on_emulator([f"mlx_lm.kernels.{name}" for name in MODULES]) as modules:
+    with emulator.rebuilt([f"mlx_lm.kernels.{name}" for name in MODULES]) as modules:
         yield dict(zip(MODULES, modules))
 
 
 @pytest.fixture(scope="module")
 def gated_delta():
-    with rebuilt_on_emulator(["mlx_lm.models.gated_delta"]) as (module,):
+    with emulator.rebuilt(["mlx_lm.models.gated_delta"]) as (module,):
         yield module
 
 

@@ -11,6 +11,8 @@ Usage (tests):
                    output_shapes=[a.shape], output_dtypes=[a.dtype])
 
     emulator.metal_kernel(...)      # the same thing without the factory: mx.fast.metal_kernel's signature
+    with emulator.rebuilt(["mlx_lm.models.gated_delta"]) as (gd,):   # mlx-lm's own kernels, emulated
+        y, state = gd.gated_delta_kernel(q, k, v, g, beta, state)
 
 What happens on a call: the kernel text is linted (source.lint), the signature MLX would generate is written in
 front of the body (source.signature), and header + signature + body are compiled with g++ against msl_shim.h
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -46,7 +49,7 @@ from . import dtypes
 from .source import (LintError, Param, for_gcc, instantiation, kernel_name, lint, signature, template_text,
                      used_attributes)
 
-__all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "EmulatedKernel"]
+__all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "rebuilt", "EmulatedKernel"]
 
 HERE = Path(__file__).resolve().parent
 GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-w", "-fsingle-precision-constant", "-fno-strict-aliasing",
@@ -312,6 +315,25 @@ def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[s
     """Drop-in for `mx.fast.metal_kernel` that runs on the emulator."""
     return EmulatedKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs,
                           compile_options)
+
+
+@contextmanager
+def rebuilt(module_names: Sequence[str]) -> Iterator[list]:
+    """Modules that build their kernels with mx.fast.metal_kernel at import (mlx-lm's), reloaded with the emulator
+    standing in for it and Metal reported present; reloaded as they were on exit. For tests only: other code
+    holding the modules' functions sees the emulated kernels while the block runs."""
+    modules = [importlib.import_module(name) for name in module_names]
+    real_factory, real_available = mx.fast.metal_kernel, mx.metal.is_available
+    mx.fast.metal_kernel, mx.metal.is_available = metal_kernel, lambda: True
+    try:
+        emulated = [importlib.reload(m) for m in modules]
+    finally:
+        mx.fast.metal_kernel, mx.metal.is_available = real_factory, real_available
+    try:
+        yield emulated
+    finally:
+        for m in modules:
+            importlib.reload(m)
 
 
 @contextmanager
