@@ -229,18 +229,15 @@ class EmulatedKernel:
 
     def _buffers(self, arrays: list[mx.array], params: list[Param]) -> list[tuple[str, np.ndarray]]:
         """(name, bits) for every input-side parameter, in signature order."""
-        out, k = [], 0
-        for name, x in zip(self.input_names, arrays):
-            data, strides = _input_buffer(x, self.ensure_row_contiguous)
-            out.append((name, data))
-            k += 1
-            while k < len(params) and params[k].name.startswith(name + "_") and not params[k].is_output and \
-                    params[k].name[len(name):] in ("_shape", "_strides", "_ndim"):
-                suffix = params[k].name[len(name):]
-                value = {"_shape": np.array(x.shape, np.int32), "_strides": np.array(strides, np.int64),
-                         "_ndim": np.array([x.ndim], np.int32)}[suffix]
-                out.append((params[k].name, value))
-                k += 1
+        laid_out = [_input_buffer(x, self.ensure_row_contiguous) for x in arrays]  # (data, strides) per input
+        out = []
+        for p in params:
+            if p.is_output:
+                continue
+            x, (data, strides) = arrays[p.source], laid_out[p.source]
+            value = {"data": data, "_shape": np.array(x.shape, np.int32), "_strides": np.array(strides, np.int64),
+                     "_ndim": np.array([x.ndim], np.int32)}[p.role]
+            out.append((p.name, value))
         return out
 
     def _run(self, lib, arrays, params, shapes, out_dtypes, grid, threadgroup, init_value) -> list[mx.array]:

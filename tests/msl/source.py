@@ -55,6 +55,8 @@ class Param:
     ctype: str  # element type, e.g. "float", "atomic<float>", "int64_t"
     by_ref: bool  # a 0-d input or `_ndim`: passed as `const T&`
     is_output: bool
+    role: str = "data"  # "data", or what of input `source` it carries: "_shape", "_strides", "_ndim"
+    source: int = -1  # index of the input (or output) it belongs to
 
 
 def strip_comments(text: str) -> str:
@@ -237,12 +239,12 @@ def signature(func: str, source: str, input_names: list, inputs: list, output_na
     """The text MLX puts between the header and the body, and the parameters in order."""
     lines, params = [], []
     index = 0
-    for name, x in zip(input_names, inputs):
+    for i, (name, x) in enumerate(zip(input_names, inputs)):
         dtype = type_string(x.dtype)
         location = "constant" if x.size < MAX_CONSTANT_ARRAY_SIZE else "device"
         ref = "&" if x.ndim == 0 else "*"
         lines.append(f"  const {location} {dtype}{ref} {name} [[buffer({index})]]")
-        params.append(Param(name, dtype, x.ndim == 0, False))
+        params.append(Param(name, dtype, x.ndim == 0, False, "data", i))
         index += 1
         if x.ndim > 0:
             for suffix, decl, ctype, by_ref in (
@@ -252,12 +254,12 @@ def signature(func: str, source: str, input_names: list, inputs: list, output_na
             ):
                 if name + suffix in source:
                     lines.append(f"  {decl} {name}{suffix} [[buffer({index})]]")
-                    params.append(Param(name + suffix, ctype, by_ref, False))
+                    params.append(Param(name + suffix, ctype, by_ref, False, suffix, i))
                     index += 1
-    for name, d in zip(output_names, output_dtypes):
+    for i, (name, d) in enumerate(zip(output_names, output_dtypes)):
         ctype = f"atomic<{type_string(d)}>" if atomic_outputs else type_string(d)
         lines.append(f"  device {ctype}* {name} [[buffer({index})]]")
-        params.append(Param(name, ctype, False, True))
+        params.append(Param(name, ctype, False, True, "data", i))
         index += 1
     for attr, atype in ATTRIBUTES:
         if attr in source:
