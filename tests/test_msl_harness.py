@@ -82,15 +82,16 @@ STRIDED = metal.kernel(
     ensure_row_contiguous=False,
     source="""
     uint elem = thread_position_in_grid.x;
-    out[elem] = inp[elem_to_loc(elem, inp_shape, inp_strides, inp_ndim)];
+    // int64_t offsets: with a uint index a negative stride would wrap (on a GPU as here)
+    out[elem] = inp[elem_to_loc<int64_t>(elem, inp_shape, inp_strides, inp_ndim)];
 """,
 )
 
 
 @pytest.mark.metal
-def test_strided_inputs_keep_their_strides(metal_backend):
+def test_strided_inputs_keep_their_strides(metal_backend):  # sliced, transposed, broadcast, reversed
     base = mx.arange(60, dtype=mx.float32).reshape(5, 12)
-    for view in (base[:, 2:9:3], base.T, mx.broadcast_to(base[:1, :4], (3, 4))):
+    for view in (base[:, 2:9:3], base.T, mx.broadcast_to(base[:1, :4], (3, 4)), base[::-2, 1:]):
         (out,) = STRIDED(inputs=[view], grid=(view.size, 1, 1), threadgroup=(64, 1, 1),
                          output_shapes=[view.shape], output_dtypes=[mx.float32])
         np.testing.assert_array_equal(np.array(out), np.array(view))

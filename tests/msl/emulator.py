@@ -75,6 +75,7 @@ class _LaunchArgs(ctypes.Structure):
         ("host", ctypes.POINTER(ctypes.c_void_p)),
         ("nbytes", ctypes.POINTER(ctypes.c_int64)),
         ("writable", ctypes.POINTER(ctypes.c_int32)),
+        ("offsets", ctypes.POINTER(ctypes.c_int64)),
         ("names", ctypes.POINTER(ctypes.c_char_p)),
         ("stack_bytes", ctypes.c_int64),
         ("timeout_ms", ctypes.c_int64),
@@ -154,28 +155,25 @@ def _entry_point(func: str, template_args: str, params: list[Param], attributes:
     )
 
 
-def _input_buffer(x: mx.array, row_contiguous: bool) -> tuple[np.ndarray, list[int]]:
-    """Raw bits as the kernel sees them, and the strides (elements) MLX would pass for `x`.
+def _input_buffer(x: mx.array, row_contiguous: bool) -> tuple[np.ndarray, list[int], int]:
+    """Raw bits as the kernel sees them, the strides (elements) MLX would pass for `x`, and the element of the
+    buffer the kernel's pointer is at.
 
     A row-contiguous input (or any input with ensure_row_contiguous) is its plain C-order bits. Otherwise the
     buffer spans every element the strides reach, with the array's elements at their strided places and poison
-    in the gaps, so a strided view reads exactly as it would on the GPU.
+    in the gaps, so a strided view (broadcast, transposed, sliced, reversed) reads exactly as it would on the GPU.
     """
     bits = dtypes.to_bits(x)
     if x.ndim == 0 or row_contiguous or memoryview(x).c_contiguous:
         strides = [int(s) for s in np.cumprod([1, *x.shape[::-1]])[:-1][::-1]] if x.ndim else []
-        return np.ascontiguousarray(bits).reshape(-1), strides
+        return np.ascontiguousarray(bits).reshape(-1), strides, 0
     strides = [s // x.itemsize for s in memoryview(x).strides]
     low = sum(s * (n - 1) for s, n in zip(strides, x.shape) if s < 0)
     high = sum(s * (n - 1) for s, n in zip(strides, x.shape) if s > 0)
     span = np.full(high - low + 1, dtypes.poison(x.dtype, 0), dtype=bits.dtype)
     view = np.lib.stride_tricks.as_strided(span[-low:], shape=x.shape, strides=[s * span.itemsize for s in strides])
     view[...] = bits
-    # The kernel's pointer is the element at index 0: hand over the span from there (negative strides: MLX
-    # never makes them for inputs it passes uncopied, so a span starting before index 0 is not needed).
-    if low != 0:
-        raise NotImplementedError("the MSL emulator does not pass inputs with negative strides uncopied")
-    return span, strides
+    return span, strides, -low
 
 
 class EmulatedKernel:
@@ -227,17 +225,20 @@ class EmulatedKernel:
         return self._run(lib, arrays, params, [tuple(s) for s in output_shapes], list(output_dtypes), grid,
                          threadgroup, init_value)
 
-    def _buffers(self, arrays: list[mx.array], params: list[Param]) -> list[tuple[str, np.ndarray]]:
-        """(name, bits) for every input-side parameter, in signature order."""
-        laid_out = [_input_buffer(x, self.ensure_row_contiguous) for x in arrays]  # (data, strides) per input
+    def _buffers(self, arrays: list[mx.array], params: list[Param]) -> list[tuple[str, np.ndarray, int]]:
+        """(name, bits, byte offset of the kernel's pointer) for every input-side parameter, in signature order."""
+        laid_out = [_input_buffer(x, self.ensure_row_contiguous) for x in arrays]
         out = []
         for p in params:
             if p.is_output:
                 continue
-            x, (data, strides) = arrays[p.source], laid_out[p.source]
-            value = {"data": data, "_shape": np.array(x.shape, np.int32), "_strides": np.array(strides, np.int64),
+            x, (data, strides, first) = arrays[p.source], laid_out[p.source]
+            if p.role == "data":
+                out.append((p.name, data, first * data.itemsize))
+                continue
+            value = {"_shape": np.array(x.shape, np.int32), "_strides": np.array(strides, np.int64),
                      "_ndim": np.array([x.ndim], np.int32)}[p.role]
-            out.append((p.name, value))
+            out.append((p.name, value, 0))
         return out
 
     def _run(self, lib, arrays, params, shapes, out_dtypes, grid, threadgroup, init_value) -> list[mx.array]:
@@ -284,17 +285,19 @@ class EmulatedKernel:
                         f"that depend on each other")
 
     def _launch(self, lib, ins, outs, grid, group, reverse: bool) -> None:
-        bufs = [(name, data, 0) for name, data in ins] + [(n, o, 1) for n, o in zip(self.output_names, outs)]
+        bufs = [(name, data, 0, offset) for name, data, offset in ins]
+        bufs += [(name, out, 1, 0) for name, out in zip(self.output_names, outs)]
         n = len(bufs)
         if n > 64:
             raise ValueError("the MSL emulator passes at most 64 buffers")
         host = (ctypes.c_void_p * n)(*[b[1].ctypes.data for b in bufs])
         nbytes = (ctypes.c_int64 * n)(*[b[1].nbytes for b in bufs])
         writable = (ctypes.c_int32 * n)(*[b[2] for b in bufs])
+        offsets = (ctypes.c_int64 * n)(*[b[3] for b in bufs])
         names = (ctypes.c_char_p * n)(*[b[0].encode() for b in bufs])
         err = ctypes.create_string_buffer(4096)
         args = _LaunchArgs((ctypes.c_int64 * 3)(*[int(g) for g in grid]), (ctypes.c_int64 * 3)(*group),
-                           int(reverse), n, host, nbytes, writable, names, self.stack_bytes, timeout_ms(),
+                           int(reverse), n, host, nbytes, writable, offsets, names, self.stack_bytes, timeout_ms(),
                            ctypes.cast(err, ctypes.c_void_p), len(err))
         if lib.msl_launch(ctypes.byref(args)) != 0:
             order = "reverse" if reverse else "forward"

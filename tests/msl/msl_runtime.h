@@ -220,7 +220,7 @@ inline int launch(const LaunchArgs* a, void (*body)()) {
     }
     memcpy(b.data, a->host[i], b.nbytes);
     if (!b.writable && b.nbytes) mprotect(b.map + g_page, b.map_len - 2 * g_page, PROT_READ);
-    bufs[i] = b.data;
+    bufs[i] = b.data + a->offsets[i];
   }
   g_bufs = bufs;
 

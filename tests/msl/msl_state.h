@@ -103,6 +103,7 @@ struct LaunchArgs {
   void** host;
   int64_t* nbytes;
   int32_t* writable;
+  int64_t* offsets;  // bytes from a buffer's start to where the kernel's pointer points (negative strides)
   const char** names;
   int64_t stack_bytes;
   int64_t timeout_ms;  // a launch running longer is stopped and reported (an endless loop would hang CI)
