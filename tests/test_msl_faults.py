@@ -81,6 +81,24 @@ def test_missing_barrier_is_caught_by_running_both_thread_orders(between):
     np.testing.assert_array_equal(np.array(out), want)
 
 
+def test_sharing_inside_a_simd_group_needs_a_simdgroup_barrier():
+    # Lanes are not assumed to run in lockstep: a lane reading another lane's write needs a barrier between.
+    source = """
+    threadgroup float buf[32];
+    uint t = thread_index_in_threadgroup;
+    buf[t] = x[t];
+    {BARRIER}
+    out[t] = buf[31 - t];
+    """
+    call = dict(inputs=[mx.arange(32, dtype=mx.float32)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                output_shapes=[(32,)], output_dtypes=[mx.float32])
+    with pytest.raises(Fault, match="depends on thread order"):
+        emulated("lockstep", ["x"], ["out"], source.replace("{BARRIER}", ""))(**call)
+    (out,) = emulated("simd_barrier", ["x"], ["out"],
+                      source.replace("{BARRIER}", "simdgroup_barrier(mem_flags::mem_threadgroup);"))(**call)
+    np.testing.assert_array_equal(np.array(out), np.arange(32)[::-1])
+
+
 def test_simd_collective_under_divergent_control_flow():
     k = emulated("divergent_sum", ["x"], ["out"], """
     uint i = thread_position_in_grid.x;

@@ -4,7 +4,7 @@
 // scheduler completes the collective once all launched lanes of the SIMD group wait at the same call (a lane that
 // never arrives is reported as divergent control flow). Lanes the dispatch did not launch (the tail of a partial
 // SIMD group) do not take part; reading their value through a shuffle gives a poison value (NaN, or a sentinel).
-// simdgroup_matrix<T, 8, 8> keeps Apple's fragment layout, the one MLX's steel kernels assume: lane l holds row
+// simdgroup_matrix<T, 8, 8> (loads, stores and multiplies are collectives too) keeps Apple's fragment layout, the one MLX's steel kernels assume: lane l holds row
 // (l / 4 & 4) + (l / 2 % 4), columns 2 * (l / 4 & 2) + 2 * (l % 2) and the next one. A multiply sums each
 // 8-term product in float and rounds once to the element type.
 #pragma once
@@ -209,30 +209,67 @@ template <class T, int R, int C> inline simdgroup_matrix<T, R, C> make_filled_si
   return m;
 }
 
-// Loads and stores touch only the calling lane's two elements: the memory a lane reads or writes is its own, so
-// a missing barrier between a store and another lane's load still shows up as an order-dependent result.
+}  // namespace metal
+
+namespace msl_rt {
+
+// One lane's part of a simdgroup_load or simdgroup_store.
+template <class T, class P> struct MatrixIo {
+  metal::simdgroup_matrix<T, 8, 8>* m;
+  P ptr;
+  metal::ulong elements_per_row;
+  metal::ulong2 origin;
+  bool transpose;
+};
+
+// Memory offset of element `j` of the two `lane` holds.
+template <class IO> inline metal::ulong matrix_offset(const IO& io, int lane, int j) {
+  int r, c;
+  metal::simdgroup_matrix<float, 8, 8>::lane_coord(lane, r, c);
+  metal::ulong row = io.transpose ? metal::ulong(c + j) : metal::ulong(r);
+  metal::ulong col = io.transpose ? metal::ulong(r) : metal::ulong(c + j);
+  return (io.origin.y + row) * io.elements_per_row + io.origin.x + col;
+}
+
+template <class T, class P> void complete_load(void* const* args) {
+  for (int l = 0; l < kSimdWidth; ++l) {
+    if (!args[l]) continue;
+    auto* io = static_cast<MatrixIo<T, P>*>(args[l]);
+    for (int j = 0; j < 2; ++j) io->m->e[j] = io->ptr[matrix_offset(*io, l, j)];
+  }
+}
+
+template <class T, class P> void complete_store(void* const* args) {
+  for (int l = 0; l < kSimdWidth; ++l) {
+    if (!args[l]) continue;
+    auto* io = static_cast<MatrixIo<T, P>*>(args[l]);
+    for (int j = 0; j < 2; ++j) io->ptr[matrix_offset(*io, l, j)] = io->m->e[j];
+  }
+}
+
+}  // namespace msl_rt
+
+namespace metal {
+
+// Loads and stores are SIMD-group operations: every lane takes part, and all of them finish before any lane goes
+// on (as the hardware runs them). Sharing the memory with other SIMD groups still needs a threadgroup_barrier.
 template <class T, class U>
 inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const U* src, ulong elements_per_row = 8,
-                           ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false) {
+                           ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false,
+                           unsigned line = __builtin_LINE()) {
   static_assert(std::is_same<T, typename std::remove_cv<U>::type>::value, "simdgroup_load: element types differ");
-  int r, c;
-  d.coord(r, c);
-  for (int j = 0; j < 2; ++j) {
-    ulong row = transpose_matrix ? ulong(c + j) : ulong(r), col = transpose_matrix ? ulong(r) : ulong(c + j);
-    d.e[j] = src[(matrix_origin.y + row) * elements_per_row + matrix_origin.x + col];
-  }
+  msl_rt::MatrixIo<T, const U*> io{&d, src, elements_per_row, matrix_origin, transpose_matrix};
+  msl_rt::simd_wait("simdgroup_load", line, msl_rt::complete_load<T, const U*>, &io);
 }
 
 template <class T, class U>
 inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& a, U* dst, ulong elements_per_row = 8,
-                            ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false) {
+                            ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false,
+                            unsigned line = __builtin_LINE()) {
   static_assert(std::is_same<T, U>::value, "simdgroup_store: element types differ");
-  int r, c;
-  a.coord(r, c);
-  for (int j = 0; j < 2; ++j) {
-    ulong row = transpose_matrix ? ulong(c + j) : ulong(r), col = transpose_matrix ? ulong(r) : ulong(c + j);
-    dst[(matrix_origin.y + row) * elements_per_row + matrix_origin.x + col] = a.e[j];
-  }
+  msl_rt::MatrixIo<T, U*> io{const_cast<simdgroup_matrix<T, 8, 8>*>(&a), dst, elements_per_row, matrix_origin,
+                             transpose_matrix};
+  msl_rt::simd_wait("simdgroup_store", line, msl_rt::complete_store<T, U*>, &io);
 }
 
 }  // namespace metal
