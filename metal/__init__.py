@@ -2,12 +2,13 @@
 
 Every kernel follows one pattern, as mlx-lm's own kernels do:
 
-1. Metal source: a `*.metal` body in this folder, compiled with `mx.fast.metal_kernel` using
-   `dflash_common.h` as its header. Built once (a module-level factory), never inside the decode loop.
+1. Metal source: a `*.metal` body in this folder, created with `kernel(...)` (below) using `dflash_common.h` as
+   its header. Built once (a module-level constant), never inside the decode loop.
 2. Reference: a pure-MLX function with the same signature and the same result; it runs everywhere (Linux CPU
    included) and is the definition the kernel must match.
 3. Dispatcher: calls the kernel when `available()`, otherwise the reference.
-4. Parity test: runs kernel and reference on the same inputs and compares them; skipped where Metal is absent.
+4. Parity test: runs kernel and reference on the same inputs and compares them: on Metal on a Mac, through the
+   MSL emulator (tests/msl) everywhere else.
 
 Every kernel is created through one factory, `kernel(...)`, which takes `mx.fast.metal_kernel`'s arguments and
 returns a callable with the same call arguments. On a Mac the call runs `mx.fast.metal_kernel`'s kernel (built on
