@@ -56,6 +56,7 @@ GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-w", "-fsingle-precisio
              "-ffp-contract=off", "-Wno-narrowing", "-fno-exceptions", "-fno-rtti"]
 STACK_BYTES = 256 * 1024  # per GPU thread; only the pages a thread touches are ever backed
 TIMEOUT_ENV = "DFLASH_MLX_MSL_TIMEOUT"  # seconds one run of a launch may take (default 120)
+CFLAGS_ENV = "DFLASH_MLX_MSL_CFLAGS"  # extra g++ flags
 
 
 class CompileError(RuntimeError):
@@ -108,9 +109,16 @@ def _shim_text() -> str:
     return _SHIM_TEXT
 
 
+def gxx_flags() -> list[str]:
+    """GXX_FLAGS plus DFLASH_MLX_MSL_CFLAGS (e.g. "-O0 -g" to debug a kernel, "-DMSL_UCONTEXT" for the portable
+    fiber switch)."""
+    return GXX_FLAGS + os.environ.get(CFLAGS_ENV, "").split()
+
+
 def compile_unit(unit: str) -> ctypes.CDLL:
     """Compile a translation unit (cached by a hash of it, the shim and the flags) and load it."""
-    key = hashlib.sha256("\0".join([unit, _shim_text(), " ".join(GXX_FLAGS)]).encode()).hexdigest()[:24]
+    flags = gxx_flags()
+    key = hashlib.sha256("\0".join([unit, _shim_text(), " ".join(flags)]).encode()).hexdigest()[:24]
     lib = _LIBS.get(key)
     if lib is not None:
         return lib
@@ -119,7 +127,7 @@ def compile_unit(unit: str) -> ctypes.CDLL:
         src = cache_dir() / f"k{key}.{os.getpid()}.cpp"
         tmp = cache_dir() / f"k{key}.{os.getpid()}.so"
         src.write_text(unit)
-        cmd = ["g++", *GXX_FLAGS, "-I", str(HERE), "-I", str(HERE / "include"), str(src), "-o", str(tmp)]
+        cmd = ["g++", *flags, "-I", str(HERE), "-I", str(HERE / "include"), str(src), "-o", str(tmp)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except FileNotFoundError:
