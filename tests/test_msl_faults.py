@@ -108,13 +108,17 @@ def test_simd_collective_under_divergent_control_flow():
     }
     out[i] = v;
     """)
-    with pytest.raises(Fault, match="divergent control flow"):
+    with pytest.raises(Fault, match=r"divergent control flow.*threads 0-15 wait at simd_sum \(divergent_sum\.source:5\); "
+                                    r"threads 16-31 returned"):
         k(inputs=[mx.ones((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
           output_dtypes=[mx.float32])
 
 
-@pytest.mark.parametrize("escape", ["return;", "threadgroup_barrier(mem_flags::mem_none);"])
-def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape):
+@pytest.mark.parametrize("escape, others", [
+    ("return;", "threads 40-63 returned"),
+    ("threadgroup_barrier(mem_flags::mem_none);", r"threads 40-63 wait at threadgroup_barrier \(half_barrier\.source:5\)"),
+])
+def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape, others):
     k = emulated("half_barrier", ["x"], ["out"], f"""
     uint t = thread_index_in_threadgroup;
     out[t] = x[t];
@@ -123,7 +127,8 @@ def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape):
     }}
     threadgroup_barrier(mem_flags::mem_threadgroup);
     """)
-    with pytest.raises(Fault, match="deadlock"):
+    with pytest.raises(Fault, match=r"deadlock.*threads 0-39 wait at threadgroup_barrier \(half_barrier\.source:7\); "
+                                    + others):
         k(inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
           output_dtypes=[mx.float32])
 

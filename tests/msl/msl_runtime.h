@@ -12,7 +12,12 @@
 
 namespace msl_rt {
 
-// "threads 0-15 wait at simd_sum (line 2); threads 16-31 returned" for threads [lo, hi) of the group.
+// The same call: operation, file and line.
+inline bool same_wait(const Thread& a, const Thread& b) {
+  return a.wait_line == b.wait_line && strcmp(a.wait_op, b.wait_op) == 0 && strcmp(a.wait_file, b.wait_file) == 0;
+}
+
+// "threads 0-15 wait at simd_sum (k.source:2); threads 16-31 returned" for threads [lo, hi) of the group.
 inline void describe_waits(char* out, size_t len, int lo = 0, int hi = -1) {
   if (hi < 0) hi = g_nthreads;
   size_t used = 0;
@@ -23,12 +28,12 @@ inline void describe_waits(char* out, size_t len, int lo = 0, int hi = -1) {
     bool waits = t.state == AT_BARRIER || t.state == AT_SIMD;
     int j = i + 1;
     while (j < hi && g_threads[j].state == t.state &&
-           (!waits || (g_threads[j].wait_line == t.wait_line && g_threads[j].wait_op == t.wait_op)))
+           (!waits || same_wait(g_threads[j], t)))
       ++j;
     const char* sep = used ? "; " : "";
     if (waits)
-      used += snprintf(out + used, len - used, "%sthreads %d-%d wait at %s (line %u)", sep, i, j - 1, t.wait_op,
-                       t.wait_line);
+      used += snprintf(out + used, len - used, "%sthreads %d-%d wait at %s (%s:%u)", sep, i, j - 1, t.wait_op,
+                       t.wait_file, t.wait_line);
     else
       used += snprintf(out + used, len - used, "%sthreads %d-%d %s", sep, i, j - 1,
                        t.state == DONE ? "returned" : "have not run yet");
@@ -46,8 +51,8 @@ inline bool complete_collective(int g0) {
   if (!waiting) return false;
   for (int i = g0; i < g1; ++i) {
     const Thread& t = g_threads[i];
-    if (t.state != AT_SIMD || t.wait_line != lead.wait_line || t.wait_op != lead.wait_op ||
-        t.wait_fn != lead.wait_fn || t.collectives != lead.collectives || lead.state != AT_SIMD) {
+    if (t.state != AT_SIMD || lead.state != AT_SIMD || !same_wait(t, lead) || t.wait_fn != lead.wait_fn ||
+        t.collectives != lead.collectives) {
       char states[2048];
       describe_waits(states, sizeof(states), g0, g1);
       set_error(
@@ -79,7 +84,7 @@ inline bool release_barrier() {
     }
     if (t.state != AT_BARRIER) return false;
     if (!lead) lead = &t;
-    else if (t.wait_line != lead->wait_line || t.wait_op != lead->wait_op || t.barriers != lead->barriers)
+    else if (!same_wait(t, *lead) || t.barriers != lead->barriers)
       mismatch = true;
   }
   if (!lead) return false;

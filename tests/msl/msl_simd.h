@@ -4,12 +4,15 @@
 // scheduler completes the collective once all launched lanes of the SIMD group wait at the same call (a lane that
 // never arrives is reported as divergent control flow). Lanes the dispatch did not launch (the tail of a partial
 // SIMD group) do not take part; reading their value through a shuffle gives a poison value (NaN, or a sentinel).
-// simdgroup_matrix<T, 8, 8> (loads, stores and multiplies are collectives too) keeps Apple's fragment layout, the one MLX's steel kernels assume: lane l holds row
-// (l / 4 & 4) + (l / 2 % 4), columns 2 * (l / 4 & 2) + 2 * (l % 2) and the next one. A multiply sums each
-// 8-term product in float and rounds once to the element type.
+// simdgroup_matrix<T, 8, 8> (loads, stores and multiplies are collectives too) keeps Apple's fragment layout,
+// the one MLX's steel kernels assume: lane l holds row (l / 4 & 4) + (l / 2 % 4), columns 2 * (l / 4 & 2) +
+// 2 * (l % 2) and the next one. A multiply sums each 8-term product in float and rounds once to the element type.
 #pragma once
 
 #include "msl_runtime.h"
+
+// The caller's file and line, as the #line directives name them: which call a waiting thread is at.
+#define MSL_SITE unsigned line = __builtin_LINE(), const char* file = __builtin_FILE()
 
 namespace msl_rt {
 
@@ -101,9 +104,10 @@ inline void complete_first(void* const* args) {
 
 inline void complete_nothing(void* const*) {}
 
-template <class T, class F> inline T collective(const char* op, unsigned line, F fn, T x, int param = 0) {
+template <class T, class F>
+inline T collective(const char* op, unsigned line, const char* file, F fn, T x, int param = 0) {
   LaneArg<T> a{x, x, param};
-  simd_wait(op, line, fn, &a);
+  simd_wait(op, line, file, fn, &a);
   return a.out;
 }
 
@@ -114,16 +118,16 @@ namespace metal {
 enum mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4, mem_threadgroup_imageblock = 8 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-inline void threadgroup_barrier(mem_flags, unsigned line = __builtin_LINE()) {
-  msl_rt::barrier("threadgroup_barrier", line);
+inline void threadgroup_barrier(mem_flags, MSL_SITE) {
+  msl_rt::barrier("threadgroup_barrier", line, file);
 }
-inline void simdgroup_barrier(mem_flags, unsigned line = __builtin_LINE()) {
-  msl_rt::collective<int>("simdgroup_barrier", line, msl_rt::complete_nothing, 0);
+inline void simdgroup_barrier(mem_flags, MSL_SITE) {
+  msl_rt::collective<int>("simdgroup_barrier", line, file, msl_rt::complete_nothing, 0);
 }
 
-#define MSL_REDUCE(name, fn)                                                          \
-  template <class T> inline T name(T x, unsigned line = __builtin_LINE()) {           \
-    return msl_rt::collective<T>(#name, line, msl_rt::fn<T>, x);                      \
+#define MSL_REDUCE(name, fn)                                             \
+  template <class T> inline T name(T x, MSL_SITE) {                      \
+    return msl_rt::collective<T>(#name, line, file, msl_rt::fn<T>, x);   \
   }
 MSL_REDUCE(simd_sum, complete_sum)
 MSL_REDUCE(simd_product, complete_product)
@@ -134,9 +138,9 @@ MSL_REDUCE(simd_or, complete_or)
 MSL_REDUCE(simd_xor, complete_xor)
 #undef MSL_REDUCE
 
-#define MSL_SHUFFLE(name, kind)                                                                      \
-  template <class T> inline T name(T x, ushort p, unsigned line = __builtin_LINE()) {                \
-    return msl_rt::collective<T>(#name, line, msl_rt::complete_shuffle<T, msl_rt::kind>, x, int(p)); \
+#define MSL_SHUFFLE(name, kind)                                                                                  \
+  template <class T> inline T name(T x, ushort p, MSL_SITE) {                                                    \
+    return msl_rt::collective<T>(#name, line, file, msl_rt::complete_shuffle<T, msl_rt::kind>, x, int(p));       \
   }
 MSL_SHUFFLE(simd_shuffle, SHUFFLE)
 MSL_SHUFFLE(simd_broadcast, SHUFFLE)
@@ -147,32 +151,36 @@ MSL_SHUFFLE(simd_shuffle_rotate_down, ROTATE_DOWN)
 MSL_SHUFFLE(simd_shuffle_rotate_up, ROTATE_UP)
 #undef MSL_SHUFFLE
 
-template <class T> inline T simd_broadcast_first(T x, unsigned line = __builtin_LINE()) {
+template <class T> inline T simd_broadcast_first(T x, MSL_SITE) {
   // Lane 0 is launched in every SIMD group, so it is the first active lane.
-  return msl_rt::collective<T>("simd_broadcast_first", line, msl_rt::complete_shuffle<T, msl_rt::SHUFFLE>, x, 0);
+  return msl_rt::collective<T>("simd_broadcast_first", line, file, msl_rt::complete_shuffle<T, msl_rt::SHUFFLE>, x,
+                               0);
 }
 
-template <class T> inline T simd_prefix_inclusive_sum(T x, unsigned line = __builtin_LINE()) {
-  return msl_rt::collective<T>("simd_prefix_inclusive_sum", line, msl_rt::complete_prefix<T, true, false>, x);
+template <class T> inline T simd_prefix_inclusive_sum(T x, MSL_SITE) {
+  return msl_rt::collective<T>("simd_prefix_inclusive_sum", line, file, msl_rt::complete_prefix<T, true, false>, x);
 }
-template <class T> inline T simd_prefix_exclusive_sum(T x, unsigned line = __builtin_LINE()) {
-  return msl_rt::collective<T>("simd_prefix_exclusive_sum", line, msl_rt::complete_prefix<T, false, false>, x);
+template <class T> inline T simd_prefix_exclusive_sum(T x, MSL_SITE) {
+  return msl_rt::collective<T>("simd_prefix_exclusive_sum", line, file, msl_rt::complete_prefix<T, false, false>,
+                               x);
 }
-template <class T> inline T simd_prefix_inclusive_product(T x, unsigned line = __builtin_LINE()) {
-  return msl_rt::collective<T>("simd_prefix_inclusive_product", line, msl_rt::complete_prefix<T, true, true>, x);
+template <class T> inline T simd_prefix_inclusive_product(T x, MSL_SITE) {
+  return msl_rt::collective<T>("simd_prefix_inclusive_product", line, file, msl_rt::complete_prefix<T, true, true>,
+                               x);
 }
-template <class T> inline T simd_prefix_exclusive_product(T x, unsigned line = __builtin_LINE()) {
-  return msl_rt::collective<T>("simd_prefix_exclusive_product", line, msl_rt::complete_prefix<T, false, true>, x);
+template <class T> inline T simd_prefix_exclusive_product(T x, MSL_SITE) {
+  return msl_rt::collective<T>("simd_prefix_exclusive_product", line, file,
+                               msl_rt::complete_prefix<T, false, true>, x);
 }
 
-inline bool simd_all(bool x, unsigned line = __builtin_LINE()) {
-  return msl_rt::collective<int>("simd_all", line, msl_rt::complete_and<int>, x ? 1 : 0) != 0;
+inline bool simd_all(bool x, MSL_SITE) {
+  return msl_rt::collective<int>("simd_all", line, file, msl_rt::complete_and<int>, x ? 1 : 0) != 0;
 }
-inline bool simd_any(bool x, unsigned line = __builtin_LINE()) {
-  return msl_rt::collective<int>("simd_any", line, msl_rt::complete_or<int>, x ? 1 : 0) != 0;
+inline bool simd_any(bool x, MSL_SITE) {
+  return msl_rt::collective<int>("simd_any", line, file, msl_rt::complete_or<int>, x ? 1 : 0) != 0;
 }
-inline bool simd_is_first(unsigned line = __builtin_LINE()) {
-  return msl_rt::collective<bool>("simd_is_first", line, msl_rt::complete_first, false);
+inline bool simd_is_first(MSL_SITE) {
+  return msl_rt::collective<bool>("simd_is_first", line, file, msl_rt::complete_first, false);
 }
 
 // ---- simdgroup_matrix ----
@@ -256,20 +264,20 @@ namespace metal {
 template <class T, class U>
 inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const U* src, ulong elements_per_row = 8,
                            ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false,
-                           unsigned line = __builtin_LINE()) {
+                           MSL_SITE) {
   static_assert(std::is_same<T, typename std::remove_cv<U>::type>::value, "simdgroup_load: element types differ");
   msl_rt::MatrixIo<T, const U*> io{&d, src, elements_per_row, matrix_origin, transpose_matrix};
-  msl_rt::simd_wait("simdgroup_load", line, msl_rt::complete_load<T, const U*>, &io);
+  msl_rt::simd_wait("simdgroup_load", line, file, msl_rt::complete_load<T, const U*>, &io);
 }
 
 template <class T, class U>
 inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& a, U* dst, ulong elements_per_row = 8,
                             ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false,
-                            unsigned line = __builtin_LINE()) {
+                            MSL_SITE) {
   static_assert(std::is_same<T, U>::value, "simdgroup_store: element types differ");
   msl_rt::MatrixIo<T, U*> io{const_cast<simdgroup_matrix<T, 8, 8>*>(&a), dst, elements_per_row, matrix_origin,
                              transpose_matrix};
-  msl_rt::simd_wait("simdgroup_store", line, msl_rt::complete_store<T, U*>, &io);
+  msl_rt::simd_wait("simdgroup_store", line, file, msl_rt::complete_store<T, U*>, &io);
 }
 
 }  // namespace metal
@@ -318,21 +326,21 @@ namespace metal {
 template <class TD, class TA, class TB, class TC>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                           const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c,
-                                          unsigned line = __builtin_LINE()) {
+                                          MSL_SITE) {
   // Metal's overloads take one element type for all four matrices (MLX converts before its mma, too).
   static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value && std::is_same<TD, TC>::value,
                 "simdgroup_multiply_accumulate: all four matrices must have the same element type");
   msl_rt::MmaArg<TD, TA, TB, TC> arg{&d, &a, &b, &c};
-  msl_rt::simd_wait("simdgroup_multiply_accumulate", line, msl_rt::complete_mma<TD, TA, TB, TC>, &arg);
+  msl_rt::simd_wait("simdgroup_multiply_accumulate", line, file, msl_rt::complete_mma<TD, TA, TB, TC>, &arg);
 }
 
 template <class TD, class TA, class TB>
 inline void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
-                               const simdgroup_matrix<TB, 8, 8>& b, unsigned line = __builtin_LINE()) {
+                               const simdgroup_matrix<TB, 8, 8>& b, MSL_SITE) {
   static_assert(std::is_same<TD, TA>::value && std::is_same<TD, TB>::value,
                 "simdgroup_multiply: all three matrices must have the same element type");
   msl_rt::MmaArg<TD, TA, TB, TD> arg{&d, &a, &b, nullptr};
-  msl_rt::simd_wait("simdgroup_multiply", line, msl_rt::complete_mma<TD, TA, TB, TD>, &arg);
+  msl_rt::simd_wait("simdgroup_multiply", line, file, msl_rt::complete_mma<TD, TA, TB, TD>, &arg);
 }
 
 }  // namespace metal

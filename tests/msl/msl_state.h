@@ -78,6 +78,7 @@ struct Thread {
   State state;
   const char* wait_op;
   unsigned wait_line;
+  const char* wait_file;  // the kernel's "<name>.source" or "<name>.header", as the #line directives name them
   CompleteFn wait_fn;
   void* wait_arg;
   // Barriers and collectives passed, to tell iterations of one call site apart (SIMD groups may run different
@@ -207,19 +208,21 @@ inline void yield_to_scheduler() {
 
 // ---- synchronisation points ----
 
-inline void barrier(const char* op, unsigned line) {
+inline void barrier(const char* op, unsigned line, const char* file) {
   Thread& t = cur();
   t.state = AT_BARRIER;
   t.wait_op = op;
   t.wait_line = line;
+  t.wait_file = file;
   yield_to_scheduler();
 }
 
-inline void simd_wait(const char* op, unsigned line, CompleteFn fn, void* arg) {
+inline void simd_wait(const char* op, unsigned line, const char* file, CompleteFn fn, void* arg) {
   Thread& t = cur();
   t.state = AT_SIMD;
   t.wait_op = op;
   t.wait_line = line;
+  t.wait_file = file;
   t.wait_fn = fn;
   t.wait_arg = arg;
   yield_to_scheduler();
