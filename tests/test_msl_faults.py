@@ -108,15 +108,16 @@ def test_simd_collective_under_divergent_control_flow():
     }
     out[i] = v;
     """)
-    with pytest.raises(Fault, match=r"divergent control flow.*threads 0-15 wait at simd_sum \(divergent_sum\.source:5\); "
-                                    r"threads 16-31 returned"):
+    waits = r"threads 0-15 wait at simd_sum \(divergent_sum\.source:5\); threads 16-31 returned"
+    with pytest.raises(Fault, match="divergent control flow.*" + waits):
         k(inputs=[mx.ones((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
           output_dtypes=[mx.float32])
 
 
 @pytest.mark.parametrize("escape, others", [
     ("return;", "threads 40-63 returned"),
-    ("threadgroup_barrier(mem_flags::mem_none);", r"threads 40-63 wait at threadgroup_barrier \(half_barrier\.source:5\)"),
+    ("threadgroup_barrier(mem_flags::mem_none);",
+     r"threads 40-63 wait at threadgroup_barrier \(half_barrier\.source:5\)"),
 ])
 def test_barrier_not_reached_by_every_thread_is_a_deadlock_not_a_hang(escape, others):
     k = emulated("half_barrier", ["x"], ["out"], f"""

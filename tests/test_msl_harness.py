@@ -114,7 +114,8 @@ LANGUAGE = metal.kernel(
     out[t * 8 + 0] = dot(w, float4(1.0f, 0.0f, 0.0f, 0.0f));
     out[t * 8 + 1] = float(h.y);
     out[t * 8 + 2] = FLAG ? metal::clamp(w.z, 0.0f, float(LIM)) : -1.0f;
-    out[t * 8 + 3] = float(Limits<half>::finite_max) + float(Limits<int8_t>::min) + float(Limits<bfloat16_t>::min < 0.0f);
+    out[t * 8 + 3] = float(Limits<half>::finite_max) + float(Limits<int8_t>::min)
+                     + float(Limits<bfloat16_t>::min < 0.0f);
     out[t * 8 + 4] = fast::exp(w.w * 0.0f) + precise::sqrt(4.0f);
     out[t * 8 + 5] = as_type<float>(as_type<uint>(w.x));
     out[t * 8 + 6] = float(simd_sum(half(1.0h)));
@@ -315,7 +316,8 @@ def test_half_and_bfloat_round_to_nearest_even(metal_backend):
     np.testing.assert_array_equal(np.array(h), a)
     want_bf = bf16_rne(x)
     np.testing.assert_array_equal(np.array(bf.view(mx.uint16)), want_bf)
-    np.testing.assert_array_equal(np.array(bf.view(mx.uint16)), np.array(mx.array(x).astype(mx.bfloat16).view(mx.uint16)))
+    mlx_bf = np.array(mx.array(x).astype(mx.bfloat16).view(mx.uint16))
+    np.testing.assert_array_equal(np.array(bf.view(mx.uint16)), mlx_bf)
     with np.errstate(over="ignore", invalid="ignore"):
         np.testing.assert_array_equal(np.array(hsum), a * a + a)
         b = bf16_value(want_bf)
