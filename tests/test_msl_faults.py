@@ -163,6 +163,27 @@ def test_output_element_never_written():
     assert np.array(out).tolist() == [1, -1] * 8
 
 
+def test_private_variables_read_before_they_are_set():
+    call = dict(inputs=[mx.ones((4,))], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+                output_dtypes=[mx.float32])
+    seen_by_gcc = emulated("uninit", ["x"], ["out"], """
+    uint i = thread_position_in_grid.x;
+    float acc;
+    for (int k = 0; k < 4; ++k) { acc += x[i]; }
+    out[i] = acc;
+    """)
+    with pytest.raises(CompileError, match=r"uninit\.source:4.*'acc' is used uninitialized"):
+        seen_by_gcc(**call)
+    # What g++ cannot see reads the poison fresh stacks hold (NaN), as it would read garbage on a GPU.
+    (out,) = emulated("uninit_array", ["x"], ["out"], """
+    uint i = thread_position_in_grid.x;
+    volatile float v[4];
+    if (i == 0) { v[1] = x[i]; }
+    out[i] = v[1];
+    """)(**call)
+    assert np.isnan(np.array(out)[1:]).all() and np.array(out)[0] == 1
+
+
 def test_out_of_range_accesses_hit_guard_pages():
     read_past = emulated("read_past", ["x"], ["out"], """
     uint i = thread_position_in_grid.x;

@@ -52,8 +52,12 @@ from .source import (LintError, Param, for_gcc, instantiation, kernel_name, lint
 __all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "rebuilt", "EmulatedKernel"]
 
 HERE = Path(__file__).resolve().parent
-GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-w", "-fsingle-precision-constant", "-fno-strict-aliasing",
-             "-ffp-contract=off", "-Wno-narrowing", "-fno-exceptions", "-fno-rtti"]
+GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-fsingle-precision-constant", "-fno-strict-aliasing",
+             "-ffp-contract=off", "-fno-exceptions", "-fno-rtti",
+             # Metal's attributes ([[buffer(0)]], [[kernel]]) and clang pragmas mean nothing to g++
+             "-Wno-attributes", "-Wno-unknown-pragmas", "-Wno-narrowing",
+             # reading a variable before it is set, or falling off the end of a function: undefined on a GPU too
+             "-Werror=uninitialized", "-Werror=return-type"]
 STACK_BYTES = 256 * 1024  # per GPU thread; only the pages a thread touches are ever backed
 TIMEOUT_ENV = "DFLASH_MLX_MSL_TIMEOUT"  # seconds one run of a launch may take (default 120)
 CFLAGS_ENV = "DFLASH_MLX_MSL_CFLAGS"  # extra g++ flags
@@ -129,7 +133,7 @@ def compile_unit(unit: str) -> ctypes.CDLL:
         src.write_text(unit)
         cmd = ["g++", *flags, "-I", str(HERE), "-I", str(HERE / "include"), str(src), "-o", str(tmp)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
         except FileNotFoundError:
             raise CompileError("g++ not found: the MSL emulator compiles kernels with g++ (apt-get install g++)")
         if proc.returncode != 0:

@@ -237,7 +237,13 @@ static void fiber_main() {
 #endif
 }
 
+// Thread-private memory starts as garbage on a GPU: the top of each fresh stack is filled with all-ones bits (NaN
+// for floats), so a private variable read before it is set shows up in the results instead of reading as 0.
+constexpr size_t kStackPoison = 4096;
+
 inline void start_fiber(Thread& t) {
+  char* top = t.stack + kStackGuard + g_stack_bytes;
+  memset(top - kStackPoison, 0xff, kStackPoison);
 #if MSL_FAST_SWITCH
   void** sp = (void**)(t.stack + kStackGuard + g_stack_bytes);  // 16-byte aligned top
   *--sp = nullptr;                                          // fiber_main's return address: it never returns
