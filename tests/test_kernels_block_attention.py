@@ -158,3 +158,22 @@ def test_drafter_attention_runs_the_kernel(metal_backend, monkeypatch):
             logits.append(drafter(block, cache))
     assert calls == [5, None]  # the sliding layer, then the full one; none with kernels off
     _check(logits[0], logits[1], mx.float32)
+
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+if given is not None:
+
+    @pytest.mark.metal
+    @settings(max_examples=12, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(group=st.sampled_from([1, 2, 4, 8]), Hkv=st.integers(1, 2), B=st.integers(1, ba.MAX_ROWS),
+           D=st.sampled_from(ba.HEAD_DIMS), n_ctx=st.integers(0, 70), window=st.none() | st.integers(1, 40),
+           causal=st.booleans(), chunk=st.none() | st.integers(4, 40))
+    def test_property_kernel_matches_reference(metal_backend, group, Hkv, B, D, n_ctx, window, causal, chunk):
+        q, k, v, ck, cv = _inputs(group * Hkv, Hkv, B, D, n_ctx, mx.float32, seed=n_ctx)
+        kw = dict(scale=D**-0.5, window=window, causal=causal)
+        _check(ba.block_attention_metal(q, k, v, ck, cv, chunk=chunk, **kw),
+               ba.block_attention_reference(q, k, v, ck, cv, **kw), mx.float32)

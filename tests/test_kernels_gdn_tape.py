@@ -210,3 +210,24 @@ def test_tape_rollback_through_the_kernels_is_exact(metal_backend):
             t(ids[:, P : P + keep], ref)
         mx.eval([c.state for c in ref])
         assert_caches_equal(ours, ref)
+
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+if given is not None:
+
+    @pytest.mark.metal
+    @settings(max_examples=10, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(B=st.integers(1, 2), T=st.integers(1, 6), Hk=st.integers(1, 2), ratio=st.sampled_from([1, 2]),
+           Dk=st.sampled_from([32, 64, 128]), Dv=st.sampled_from([1, 3, 8, 12, 16]), data=st.data())
+    def test_property_kernel_tape_and_replay(metal_backend, B, T, Hk, ratio, Dk, Dv, data):
+        q, k, v, g, beta, state = _inputs(B, T, Hk, Hk * ratio, Dk, Dv, mx.float32, seed=T * Dv)
+        # Kernels only: the reference is compiled per shape (mx.compile), too slow to sweep here.
+        _, _, delta = gt.gdn_tape_metal(q, k, v, g, beta, state)
+        keep = data.draw(st.integers(1, T))
+        _, s_prefix, _ = gt.gdn_tape_metal(q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep],
+                                           state)
+        assert _bits_equal(gt.gdn_replay_metal(k, g, delta, state, keep), s_prefix)

@@ -106,3 +106,22 @@ def test_quantized_target_verify_through_the_kernel(metal_backend):
         out = t(ids)[0]
     err = mx.abs(out - ref).max().item()
     assert err <= 1e-4 * max(1.0, mx.abs(ref).max().item()), f"max logit error {err:.3g}"
+
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+if given is not None:
+
+    @pytest.mark.metal
+    @settings(max_examples=12, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(M=st.integers(vq.MIN_ROWS, vq.MAX_ROWS), groups=st.integers(1, 6), N=st.integers(1, 13),
+           group_size=st.sampled_from(vq.GROUP_SIZES), bits=st.sampled_from(vq.BITS))
+    def test_property_kernel_matches_quantized_matmul(metal_backend, M, groups, N, group_size, bits):
+        x, w, s, b = _quantized(M, groups * group_size, N, group_size, bits, mx.float32, seed=M * N)
+        y = vq.verify_qmm_metal(x, w, s, b, group_size=group_size, bits=bits)
+        ref = vq.verify_qmm_reference(x, w, s, b, group_size=group_size, bits=bits)
+        err = mx.abs(y - ref).max().item()
+        assert err <= _TOL[mx.float32] * max(1.0, mx.abs(ref).max().item()), f"max error {err:.3g}"
