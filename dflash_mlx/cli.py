@@ -78,6 +78,7 @@ def generate(
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
     if verbose:
+        print(f"drafter: {drafter.weights_form}", file=sys.stderr)
         api.generate(target, tokenizer, ids, drafter, verbose=True, **options)
         return
     for r in api.stream_generate(target, tokenizer, ids, drafter, **options):

@@ -152,8 +152,12 @@ def dflash_generate_step(
                 context, state.pending_context = state.pending_context, None
                 drafter.append_context(context, state.draft_cache)
             block_ids = mx.array([[state.last_token] + [mask_token_id] * (block - 1)], dtype=mx.int32)
-            draft_logits = drafter(block_ids, state.draft_cache)[0]
-            draft = acceptor.propose(draft_logits)
+            if isinstance(acceptor, GreedyAcceptor) and hasattr(drafter, "greedy_draft"):
+                # Greedy needs only the argmax: skip the drafter's full-vocabulary logits.
+                draft_logits, draft = None, drafter.greedy_draft(block_ids, state.draft_cache)[0]
+            else:
+                draft_logits = drafter(block_ids, state.draft_cache)[0]
+                draft = acceptor.propose(draft_logits)
             if profiler is not None:
                 profiler.mark("draft", draft)
             verify_ids = mx.concatenate([head, draft[None]], axis=1)
