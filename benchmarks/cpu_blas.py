@@ -1,7 +1,7 @@
 """What each BLAS does to MLX on a Linux CPU: fp32 GEMM, one decode step and an 8-token verify.
 
 Each measurement runs in a fresh process (the BLAS is chosen when mlx loads), cycling through MLX's bundled BLAS
-(DFLASH_MLX_NO_BLAS=1), every BLAS `dflash_mlx._blas` finds on this machine (Debian's, the pip wheel's) and any
+(DFLASH_MLX_NO_BLAS=1), every BLAS `dflash_mlx._blas` finds on this machine (the pip wheel's, Debian's) and any
 given with --blas, so machine drift hits all alike, and prints medians side by side:
   gemm      fp32 1024 x 1024 x 1024 matmul, GFLOP/s
   step      one target forward on 1 token after a 64-token prompt (a plain decode step), ms
@@ -81,10 +81,10 @@ def main() -> int:
     from dflash_mlx._blas import find_debian_openblas, find_pip_openblas
 
     settings = {"bundled": None}  # label -> DFLASH_MLX_BLAS value (None: DFLASH_MLX_NO_BLAS=1)
-    if find_debian_openblas():
-        settings["Debian OpenBLAS"] = "debian"
     if find_pip_openblas():
         settings["pip OpenBLAS"] = "pip"
+    if find_debian_openblas():
+        settings["Debian OpenBLAS"] = "debian"
     for spec in args.blas:
         label, _, libs = spec.partition("=")
         settings[label] = libs

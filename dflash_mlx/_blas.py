@@ -7,11 +7,12 @@ that exports unprefixed `cblas_*` symbols takes over every fp32 GEMM. This only 
 `dflash_mlx/__init__.py` calls `load_openblas()` first thing.
 
 Where the library comes from, first found wins:
-  1. Debian's pthread OpenBLAS (`libopenblas0-pthread`), when installed: multi-threaded, the fastest measured;
-  2. the OpenBLAS inside the `cvxopt` wheel, a Linux dependency of this package, so `pip install` alone brings it:
-     unprefixed `cblas_*` symbols, kernels picked at run time for the CPU (DYNAMIC_ARCH), single-threaded, with the
-     gfortran runtime it needs bundled beside it. (OpenBLAS's own `scipy-openblas32` wheel prefixes its symbols
-     with `scipy_`, `cmeel-openblas` is built for AVX-512 only and needs a system gfortran: neither works as is.)
+  1. the OpenBLAS inside the `cvxopt` wheel, a Linux dependency of this package, so `pip install` alone brings it:
+     unprefixed `cblas_*` symbols, kernels picked at run time for the CPU (DYNAMIC_ARCH), with the gfortran runtime
+     it needs bundled beside it. Single-threaded, which on a busy machine beats a threaded BLAS whose threads wait
+     for cores. (OpenBLAS's own `scipy-openblas32` wheel prefixes its symbols with `scipy_`; `cmeel-openblas` is
+     built for AVX-512 only and needs a system gfortran: neither works as is.)
+  2. Debian's pthread OpenBLAS (`libopenblas0-pthread`), when installed.
 `DFLASH_MLX_BLAS` picks one: `debian`, `pip`, or paths of shared libraries separated by `:` (loaded in that order,
 for another BLAS such as MKL). `DFLASH_MLX_NO_BLAS=1` turns all of this off. bf16, fp16 and quantized matmuls do
 not use BLAS on CPU. Measured effect: `python benchmarks/cpu_blas.py` (docs/cpu-performance.md).
@@ -26,7 +27,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 _DEBIAN_SUBDIR = "openblas-pthread/libblas.so.3"
 _PIP_PACKAGE = "cvxopt"
@@ -86,7 +87,7 @@ def _choose() -> Tuple[Optional[Blas], str]:
         return blas, "" if blas else f"not found: DFLASH_MLX_BLAS=pip but the {_PIP_PACKAGE} wheel is not installed"
     if wanted:
         return Blas("DFLASH_MLX_BLAS", tuple(p for p in wanted.split(":") if p)), ""
-    blas = find_debian_openblas() or find_pip_openblas()
+    blas = find_pip_openblas() or find_debian_openblas()
     return blas, "" if blas else f"not found (pip install {_PIP_PACKAGE}, or apt-get install libopenblas0-pthread)"
 
 
@@ -125,7 +126,3 @@ def load_openblas() -> Optional[str]:
         print(f"dflash-mlx: BLAS {status}", file=sys.stderr)
     return loaded
 
-
-def candidates() -> List[Blas]:
-    """Every BLAS this machine offers (for benchmarks/cpu_blas.py)."""
-    return [b for b in (find_debian_openblas(), find_pip_openblas()) if b is not None]

@@ -61,7 +61,7 @@ def test_import_loads_the_first_found_before_mlx():
     done = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    first = find_debian_openblas() or find_pip_openblas()
+    first = find_pip_openblas() or find_debian_openblas()
     expected = f"loaded {first.name} ({first.libraries[-1]})" if first else _blas._choose()[1]
     assert done.stdout.strip().splitlines()[-1] == expected
 
