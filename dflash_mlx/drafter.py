@@ -3,7 +3,8 @@
 Each draft layer attends from the block to (a) the fused features of every committed token, kept in a KV cache
 that is only ever appended to, and (b) the block itself, bidirectionally. The drafter owns no embedding and no LM
 head: it borrows the target's (see `bind`), unless its config has a reduced `draft_vocab_size`, whose head it owns
-(its logits are scattered back to target ids). Math: dflash-reference.md section 2.
+(its logits are scattered back to target ids; `greedy_draft` maps only the argmax ids instead).
+Math: dflash-reference.md section 2.
 """
 
 from __future__ import annotations
