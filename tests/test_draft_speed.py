@@ -101,3 +101,14 @@ def test_engine_greedy_path_commits_what_the_full_logits_path_commits(kind):
         assert fast_tokens == full_tokens == reference(kind, prompt, 20)
         assert [c.accepted for c in fast_cycles] == [c.accepted for c in full_cycles]
 
+
+
+def test_weights_stay_as_stored_when_the_default_device_is_a_gpu(tmp_path, monkeypatch):
+    drafter, _ = _drafter("qwen3", True)
+    quantize_drafter(drafter, bits=8, group_size=32)
+    save_drafter(drafter, tmp_path / "q8")
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))  # only the decision reads it
+    loaded = load_drafter(tmp_path / "q8", fastest=True)
+    assert isinstance(loaded.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    assert loaded.config.quantization == {"group_size": 32, "bits": 8}
+    assert loaded.weights_form == "8-bit quantized weights, as stored"
