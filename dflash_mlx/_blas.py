@@ -86,7 +86,8 @@ def _choose() -> Tuple[Optional[Blas], str]:
         blas = find_pip_openblas()
         return blas, "" if blas else f"not found: DFLASH_MLX_BLAS=pip but the {_PIP_PACKAGE} wheel is not installed"
     if wanted:
-        return Blas("DFLASH_MLX_BLAS", tuple(p for p in wanted.split(":") if p)), ""
+        paths = tuple(p for p in wanted.split(":") if p)
+        return (Blas("DFLASH_MLX_BLAS", paths), "") if paths else (None, "not found: DFLASH_MLX_BLAS names no library")
     blas = find_pip_openblas() or find_debian_openblas()
     return blas, "" if blas else f"not found (pip install {_PIP_PACKAGE}, or apt-get install libopenblas0-pthread)"
 
@@ -95,9 +96,11 @@ def _load(blas: Blas) -> Optional[str]:
     """Load every library of `blas` globally; the error text, or None on success."""
     for path in blas.libraries:
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             return f"could not load {path}: {e}"
+    if not hasattr(lib, "cblas_sgemm"):  # e.g. a build with prefixed symbols: MLX would not bind it
+        return f"loaded {blas.libraries[-1]}, but it exports no cblas_sgemm: MLX keeps its bundled BLAS"
     return None
 
 

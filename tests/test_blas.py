@@ -3,6 +3,7 @@ left alone when mlx was imported first, and brought by pip alone (a fresh venv w
 depends on). Loading cases run in fresh interpreters (the BLAS binds when mlx loads); the others call the loader
 again in this one."""
 
+import ctypes.util
 import importlib.metadata
 import json
 import os
@@ -83,6 +84,13 @@ def test_unloadable_library_is_reported(tmp_path):
     bogus.write_text("not an ELF file")
     got = _probe(tmp_path, DFLASH_MLX_BLAS=str(bogus))
     assert got["status"].startswith(f"could not load {bogus}") and got["source"] is None
+
+
+def test_library_without_cblas_is_refused(tmp_path):
+    # A real shared library that is no BLAS (the C math library): loading works, binding MLX would not.
+    libm = ctypes.util.find_library("m")
+    got = _probe(tmp_path, DFLASH_MLX_BLAS=libm)
+    assert "exports no cblas_sgemm" in got["status"] and got["source"] is None
 
 
 def _reset(monkeypatch, **env):
