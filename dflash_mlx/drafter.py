@@ -3,7 +3,8 @@
 Each draft layer attends from the block to (a) the fused features of every committed token, kept in a KV cache
 that is only ever appended to, and (b) the block itself, bidirectionally. The drafter owns no embedding and no LM
 head: it borrows the target's (see `bind`), unless its config has a reduced `draft_vocab_size`, whose head it owns
-(its logits are scattered back to target ids). Math: docs/algorithm.md.
+(its logits are scattered back to target ids; `greedy_draft` maps only the argmax ids instead).
+Math: docs/algorithm.md.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class DFlashDrafter(nn.Module):
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.d2t = mx.zeros((config.draft_vocab_size,), dtype=mx.int32)
         self.binding: Optional[TargetBinding] = None
+        # How the weights are held, for `--verbose` (drafter_io.load_drafter says when it changed them).
+        self.weights_form = "as stored"
 
     @property
     def block_size(self) -> int:
@@ -147,6 +150,16 @@ class DFlashDrafter(nn.Module):
         block_ids: [1, B] = [last committed token, MASK x (B-1)]; the block sits right after the committed
         context held in `cache` (positions offset..offset+B-1). Block K/V are transient: the cache is unchanged.
         """
+        return self.to_target_vocab(self.draft_logits(self.hidden_states(block_ids, cache)))
+
+    def greedy_draft(self, block_ids: mx.array, cache: List[KVCache]) -> mx.array:
+        """Target ids [1, B-1] of the most likely token per slot: the argmax of `__call__`, found over the
+        drafter's own vocabulary and then mapped, so the full-vocabulary logits are never built."""
+        ids = mx.argmax(self.draft_logits(self.hidden_states(block_ids, cache)), axis=-1).astype(mx.int32)
+        return ids + self.d2t[ids] if "lm_head" in self else ids
+
+    def hidden_states(self, block_ids: mx.array, cache: List[KVCache]) -> mx.array:
+        """Final-normed hidden states [1, B-1, H] of block slots 1..B-1 (arguments as in `__call__`)."""
         if self.binding is None:
             raise RuntimeError("drafter is not bound to a target; call drafter.bind(...) first")
         cfg = self.config
@@ -155,7 +168,7 @@ class DFlashDrafter(nn.Module):
             x = x * cfg.input_embedding_scale
         for layer, c in zip(self.layers, cache):
             x = layer(x, c)
-        return self.to_target_vocab(self.draft_logits(self.norm(x[:, 1:])))
+        return self.norm(x[:, 1:])
 
     def draft_logits(self, h: mx.array) -> mx.array:
         """Logits of final-normed hidden states over the drafter's vocabulary (the target's unless reduced)."""

@@ -210,12 +210,55 @@ def read_drafter(path: Path) -> DFlashDrafter:
     return drafter
 
 
-def load_drafter(path_or_repo: Union[str, Path], *, revision: Optional[str] = None) -> DFlashDrafter:
+def dequantize_drafter(drafter: DFlashDrafter, dtype: mx.Dtype = mx.float32) -> None:
+    """Replace quantized layers by float ones and cast every float parameter to `dtype`, in place.
+
+    The weights are dequantized straight into `dtype` (scales and biases cast first), which are the values the
+    quantized matmul multiplies by. The config's quantization entry is dropped so a save writes what is held.
+    """
+    for _, module in drafter.named_modules():
+        for name, child in list(module.children().items()):
+            if isinstance(child, nn.QuantizedLinear):
+                weight = mx.dequantize(child.weight, child.scales.astype(dtype), child.biases.astype(dtype),
+                                       child.group_size, child.bits)
+                linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in child)
+                linear.weight = weight
+                if "bias" in child:
+                    linear.bias = child.bias
+                setattr(module, name, linear)
+    drafter.set_dtype(dtype)
+    drafter.config.quantization = None
+
+
+def use_fastest_form(drafter: DFlashDrafter) -> None:
+    """Hold the weights as the default device multiplies them fastest, and say so in `drafter.weights_form`.
+
+    MLX's CPU backend runs quantized and half-precision matmuls without BLAS, several times slower than float32
+    through BLAS (benchmarks/draft_cost.py), so on the CPU they become float32. Apple GPUs run quantized matmuls
+    fast and read fewer bytes: there the weights stay as stored.
+    """
+    q = drafter.config.quantization
+    dtypes = {v.dtype for _, v in tree_flatten(drafter.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+    stored = f"{q['bits']}-bit quantized" if q else "/".join(sorted(str(d).split(".")[-1] for d in dtypes))
+    if mx.default_device().type == mx.cpu and (q is not None or dtypes != {mx.float32}):
+        dequantize_drafter(drafter)
+        drafter.weights_form = (f"{stored} weights converted to float32 at load (the CPU backend multiplies "
+                                "float32 fastest)")
+    else:
+        drafter.weights_form = f"{stored} weights, as stored"
+
+
+def load_drafter(path_or_repo: Union[str, Path], *, revision: Optional[str] = None,
+                 fastest: bool = False) -> DFlashDrafter:
     """A ready drafter from a converted directory, a raw z-lab directory, or a Hub repo id (converted in memory).
 
-    Bind it to its target with `drafter.bind(...)` before drafting.
+    `fastest`: hold the weights in the form the default device multiplies fastest (`use_fastest_form`; what
+    `dflash_mlx.load` does); otherwise exactly as stored. Bind it to its target with `drafter.bind(...)` before
+    drafting.
     """
     drafter = read_drafter(resolve_checkpoint(path_or_repo, revision))
+    if fastest:
+        use_fastest_form(drafter)
     try:
         mx.eval(drafter.parameters())
     except Exception as e:  # data that passed the header checks but cannot be read

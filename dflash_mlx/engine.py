@@ -217,8 +217,12 @@ def dflash_generate_step(
             if w > 1:
                 flushed = state.flush_context(drafter)
                 block_ids = mx.array([[state.last_token] + [mask_token_id] * (w - 1)], dtype=mx.int32)
-                draft_logits = drafter(block_ids, state.draft_cache)[0]
-                draft = acceptor.propose(draft_logits)
+                if isinstance(acceptor, GreedyAcceptor) and hasattr(drafter, "greedy_draft"):
+                    # Greedy needs only the argmax: skip the drafter's full-vocabulary logits.
+                    draft = drafter.greedy_draft(block_ids, state.draft_cache)[0]
+                else:
+                    draft_logits = drafter(block_ids, state.draft_cache)[0]
+                    draft = acceptor.propose(draft_logits)
                 mark("draft", draft)
             logits, hidden = target(mx.concatenate([head, draft[None]], axis=1), state.target_cache)
             acc, choice = acceptor.verify(draft, draft_logits, logits[0])

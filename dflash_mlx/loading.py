@@ -181,7 +181,7 @@ def load(
                           f"'{path_or_hf_repo}' is a path or repo id")
     if drafter is None:
         raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target)")
-    draft_model = load_drafter(drafter_location(drafter, draft_revision), revision=draft_revision)
+    draft_model = load_drafter(drafter_location(drafter, draft_revision), revision=draft_revision, fastest=True)
     model, tokenizer = load_target(target_ref, tokenizer_config, revision)
     prepare(model, draft_model, probe=True)
     return model, tokenizer, draft_model

@@ -220,6 +220,9 @@ class SteeredDFlashDrafter(DFlashDrafter):
         steer = _steer(self.steering.sequence, real.shape[-1], start, block, self.steering.spoil)
         return steer + 0.0 * real  # keep the real forward in the graph
 
+    def greedy_draft(self, block_ids: mx.array, cache) -> mx.array:
+        return mx.argmax(self(block_ids, cache), axis=-1).astype(mx.int32)  # the steered proposals
+
 
 def _steer(sequence, vocab, start, block, spoil) -> mx.array:
     proposals = []

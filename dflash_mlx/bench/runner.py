@@ -92,7 +92,7 @@ def _build_methods(cfg: BenchConfig, model):
     from ..target import TargetModel
 
     plain = PlainMethod(model, cfg.temp)
-    drafter = load_drafter(cfg.draft) if cfg.draft else None
+    drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft else None
     blocks = cfg.block_sizes or [drafter.block_size if drafter is not None else 16]
     others: List[Method] = []
     if cfg.ar_draft:
