@@ -90,9 +90,9 @@ class Server:
         max_tokens = max_tokens or self.settings.default_max_tokens
         if limit is not None:
             max_tokens = min(max_tokens, limit - n)
-        temp = self.settings.temperature if body.temperature is None else body.temperature
-        sampling = dict(temp=temp, top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
-                        min_p=body.min_p or 0.0)
+        option = lambda name, default: default if getattr(body, name, None) is None else getattr(body, name)
+        sampling = dict(temp=option("temperature", self.settings.temperature), top_p=option("top_p", 1.0),
+                        top_k=option("top_k", 0), min_p=option("min_p", 0.0))
         try:
             SamplingParams(**sampling)
         except DFlashError as e:
