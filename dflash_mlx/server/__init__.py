@@ -14,7 +14,9 @@ calls), openai_format / anthropic_format (response bodies), metrics (Prometheus 
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -23,7 +25,7 @@ from typing import Optional
 
 from .app import ServerSettings, create_app
 
-__all__ = ["ServerSettings", "create_app", "serve", "start_in_thread", "RunningServer"]
+__all__ = ["ServerSettings", "create_app", "serve", "serve_from_cli", "start_in_thread", "RunningServer"]
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -98,3 +100,43 @@ def serve(model: str, drafter: Optional[str] = None, *, host: str = "127.0.0.1",
         settings.drafter_name = drafter or "shipped"
     app = create_app(target, tokenizer, draft, settings)
     uvicorn.Server(_config(app, host, port, log_level)).run()
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '500M', '1e9' or '0' -> bytes."""
+    from ..errors import DFlashError
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    try:
+        if match is None or unit not in _UNITS:
+            raise ValueError
+        return int(float(match.group(1)) * _UNITS[unit])
+    except ValueError:
+        raise DFlashError(f"--prompt-cache-bytes {text!r} is not a size: give bytes, e.g. 2GiB, 500M or 0") from None
+
+
+def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
+                   api_key: Optional[str], max_queue: int, prompt_cache_bytes: str, block_size: Optional[int],
+                   max_tokens: int, temp: float, chat_template_args: Optional[str],
+                   served_model_name: Optional[str]) -> None:
+    """`dflash-mlx serve`: check every option before loading the model, then serve."""
+    from ..errors import DFlashError
+
+    template_args = None
+    if chat_template_args:
+        try:
+            template_args = json.loads(chat_template_args)
+        except ValueError as e:
+            raise DFlashError(f"--chat-template-args is not JSON: {e}") from None
+        if not isinstance(template_args, dict):
+            raise DFlashError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    settings = ServerSettings(model_name=served_model_name or model, drafter_name=draft, api_key=api_key,
+                              max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
+                              block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
+                              chat_template_kwargs=template_args)
+    serve(model, draft, host=host, port=port, quant=quant, settings=settings)
