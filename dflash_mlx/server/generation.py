@@ -16,10 +16,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..acceptance import GreedyAcceptor
-from ..api import prepare
-from ..engine import DecodeState, dflash_generate_step
-from ..sampling import make_acceptor
+from ..acceptance import make_acceptor
+from ..engine import DecodeState, dflash_generate_step, prefill
+from ..loading import prepare
 from ..stats import AcceptanceStats
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .text import StopMatcher
@@ -104,12 +103,9 @@ class Generator:
     def plain(self) -> bool:
         return self.drafter is None or (self.block_size or self.drafter.block_size) <= 1
 
-    def _fresh(self) -> DecodeState:
-        return DecodeState(self.target.make_cache(), self.drafter.make_cache() if self.drafter is not None else None)
-
     def _restore(self, hit: Hit) -> DecodeState:
         if hit.snapshot is None:
-            return self._fresh()
+            return DecodeState.fresh(self.target, self.drafter)
         target, draft, pending = hit.snapshot.restore(hit.length)
         return DecodeState(target, draft, last_token=-1, pending_context=pending)
 
@@ -120,17 +116,9 @@ class Generator:
                                                 len(tokens)))
 
     def _advance(self, state: DecodeState, tokens: List[int]) -> None:
-        """Run `tokens` through target and drafter context without generating (a prefill to a message boundary).
-
-        The engine's prefill cycle computes one token from the last logits; it is dropped, so the state is exactly
-        'these tokens seen, nothing committed'.
-        """
-        steps = dflash_generate_step(mx.array(tokens, dtype=mx.int32), self.target, self.drafter, max_tokens=1,
-                                     block_size=self.block_size, prefill_step_size=self.prefill_step_size,
-                                     state=state, acceptor=GreedyAcceptor())
-        for _ in steps:
-            pass
-        state.last_token = -1
+        """Run `tokens` through the target and into the drafter's context without generating (a prefill that
+        stops at a message boundary)."""
+        prefill(self.target, self.drafter, mx.array(tokens, dtype=mx.int32), state, self.prefill_step_size)
 
     def run(self, req: GenerationRequest, should_stop: Callable[[], bool] = lambda: False
             ) -> Iterator[Union[Delta, Outcome]]:
