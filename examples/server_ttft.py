@@ -6,6 +6,7 @@ two-turn chat on a long first turn; the second turn's time to first token is mea
 
     python examples/server_ttft.py                       # default target and its shipped drafter
     python examples/server_ttft.py --model PATH --draft DRAFTER --context-chars 4000 --repeats 3
+    python examples/server_ttft.py --model smollm2-135m --random-drafter   # any target, untrained drafter
 """
 
 from __future__ import annotations
@@ -27,6 +28,27 @@ def _context(chars: int) -> str:
     import dflash_mlx.engine as engine
 
     return Path(engine.__file__).read_text()[:chars]
+
+
+def _random_pair(name: str, block_size: int = 8):
+    """The target with an untrained drafter that fits it (acceptance is near zero; prefill cost is what counts)."""
+    from mlx_lm import load as mlx_lm_load
+
+    from dflash_mlx import models
+    from dflash_mlx.config import DFlashConfig
+    from dflash_mlx.drafter import DFlashDrafter
+
+    path = name if Path(name).is_dir() else str(models.ensure_offline_model(name))
+    model, tokenizer = mlx_lm_load(path)
+    a = model.args
+    heads = a.num_attention_heads
+    config = DFlashConfig(hidden_size=a.hidden_size, num_hidden_layers=1, num_attention_heads=heads,
+                          num_key_value_heads=a.num_key_value_heads,
+                          head_dim=getattr(a, "head_dim", None) or a.hidden_size // heads,
+                          intermediate_size=a.intermediate_size, vocab_size=a.vocab_size, rope_theta=a.rope_theta,
+                          num_target_layers=a.num_hidden_layers, block_size=block_size,
+                          target_layer_ids=[1, a.num_hidden_layers - 2], mask_token_id=0)
+    return model, tokenizer, DFlashDrafter(config)
 
 
 def _ttft(client: OpenAI, model: str, messages, max_tokens: int):
@@ -51,9 +73,13 @@ def main() -> None:
     parser.add_argument("--context-chars", type=int, default=3000, help="length of the first turn's code")
     parser.add_argument("--reply-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--random-drafter", action="store_true", help="an untrained drafter built for the target")
     args = parser.parse_args()
 
-    model, tokenizer, drafter = load(args.model, args.draft)
+    if args.random_drafter:
+        model, tokenizer, drafter = _random_pair(args.model)
+    else:
+        model, tokenizer, drafter = load(args.model, args.draft)
     servers = {}
     for name, budget in (("cache on", 2 << 30), ("cache off", 0)):
         app = create_app(model, tokenizer, drafter, ServerSettings(model_name="m", prompt_cache_bytes=budget))

@@ -263,3 +263,18 @@ def test_anthropic_messages(pair, live):
     assert "content_block_start" in events and "content_block_stop" in events
     count = httpx.post(live.url + "/messages/count_tokens", json=body).json()
     assert count["input_tokens"] == len(ids)
+
+
+def test_lazy_weights_made_on_another_thread(pair):
+    """A drafter whose weights were never evaluated (built on this thread) still serves from the worker thread."""
+    from dflash_mlx.drafter import DFlashDrafter
+
+    model, tokenizer, drafter = pair
+    fresh = DFlashDrafter(drafter.config)  # lazy random weights
+    running = start_in_thread(create_app(model, tokenizer, fresh, ServerSettings(model_name=MODEL)))
+    try:
+        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        running.stop()

@@ -9,6 +9,7 @@ Everything here runs on the server's single worker thread (MLX is driven from on
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Union
@@ -19,9 +20,11 @@ from mlx_lm.models.cache import KVCache
 from ..acceptance import make_acceptor
 from ..engine import DecodeState, dflash_generate_step, prefill
 from ..loading import prepare
-from ..stats import AcceptanceStats
+from ..stats import AcceptanceStats, CollapseWatch
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .text import StopMatcher
+
+logger = logging.getLogger("dflash_mlx")
 
 
 @dataclass
@@ -94,6 +97,9 @@ class Generator:
         self.block_size = block_size
         self.prefill_step_size = prefill_step_size
         self.target = prepare(model, drafter)
+        # MLX streams belong to threads: weights still lazy here would be evaluated on the worker thread against
+        # this thread's stream, which fails. Materialize them now.
+        mx.eval(model.parameters(), drafter.parameters() if drafter is not None else [])
         self.cache = PrefixCache(prompt_cache_bytes)
         self.eos = set(tokenizer.eos_token_ids)
         caches = self.target.make_cache() + (drafter.make_cache() if drafter is not None else [])
@@ -143,7 +149,7 @@ class Generator:
         steps = dflash_generate_step(mx.array(prompt[position:], dtype=mx.int32), self.target, self.drafter,
                                      max_tokens=req.max_tokens, block_size=self.block_size, stop_tokens=self.eos,
                                      prefill_step_size=self.prefill_step_size, state=state, acceptor=acceptor)
-        stats, widths = AcceptanceStats(), {}
+        stats, widths, watch, collapsed = AcceptanceStats(), {}, CollapseWatch(), False
         drafted = accepted = 0
         committed: List[int] = []
         detokenizer = self.tokenizer.detokenizer
@@ -163,6 +169,10 @@ class Generator:
                     widths[cycle.block_size] = widths.get(cycle.block_size, 0) + 1
                     drafted += cycle.block_size - 1
                     accepted += cycle.accepted
+                    warning = watch.check(stats)
+                    if warning:
+                        collapsed = True
+                        logger.warning(warning)
                 committed.extend(cycle.tokens)
                 text, tokens = "", []
                 for token in cycle.tokens:
@@ -203,9 +213,9 @@ class Generator:
                 if state.last_token == committed[-1]:
                     self._store(state_tokens, state)
         gen_time = time.perf_counter() - gen_tic
-        yield Outcome(finish, n, emitted, cached, n - cached,
-                      _dflash_stats(stats, widths, drafted, accepted, self.plain, ttft, gen_time, emitted,
-                                    n - cached, ttft), stopper.hit)
+        summary = _dflash_stats(stats, widths, drafted, accepted, self.plain, ttft, gen_time, emitted, n - cached, ttft)
+        summary["collapsed"] = collapsed  # drafting stopped paying off (tau near 1 over many passes)
+        yield Outcome(finish, n, emitted, cached, n - cached, summary, stopper.hit)
 
     def _logprobs(self, logits: mx.array, tokens: List[int], top: int) -> List[TokenLogprob]:
         rows = logits[: len(tokens)].astype(mx.float32)

@@ -72,6 +72,7 @@ class Worker:
         self._lock = threading.Lock()
         self.waiting = 0
         self.running = 0
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
         self._thread.start()
 
@@ -87,6 +88,8 @@ class Worker:
         self._queue.put(job)
 
     def stop(self) -> None:
+        """Stop the running generation between two verify passes, drop the waiting ones, end the thread."""
+        self._stopping = True
         self._queue.put(None)
         self._thread.join(timeout=30)
 
@@ -99,9 +102,10 @@ class Worker:
                 self.waiting -= 1
                 self.running = 1
             try:
-                if job.cancelled:
+                if job.cancelled or self._stopping:
+                    job.push(ClientGone())
                     continue
-                for event in self.generator.run(job.request, should_stop=lambda: job.cancelled):
+                for event in self.generator.run(job.request, should_stop=lambda: job.cancelled or self._stopping):
                     if self.metrics is not None and isinstance(event, Outcome):
                         self.metrics.record_outcome(event, self.generator.cache)
                     job.push(event)
