@@ -92,6 +92,22 @@ def test_sampled_chat_equals_generate_with_the_same_seed(pair, client):
         assert r.choices[0].message.content == want
 
 
+def test_repetition_penalty_sees_the_cached_prompt_too(pair, client):
+    from dflash_mlx import stream_generate
+
+    model, tokenizer, drafter = pair
+    # A prompt that holds the tokens an unpenalized reply would use, so penalizing the prompt changes the reply.
+    seed_ids = tokenizer.encode("Say something repetitive.")
+    echo = [r.token for r in stream_generate(model, tokenizer, seed_ids, drafter, max_tokens=24)]
+    ids = seed_ids + echo + seed_ids
+    options = dict(repetition_penalty=2.0, repetition_context_size=256)
+    want = _reference(pair, ids, 16, **options)
+    for _ in range(2):  # the second request restores all but one prompt token from the prefix cache
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, extra_body=options)
+        assert r.choices[0].text == want
+    assert r.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+
+
 def test_prefix_cache_on_attention_targets(pair, client):
     tokenizer = pair[1]
     first = [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "Hi there"}]

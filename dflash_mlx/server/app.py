@@ -101,6 +101,7 @@ class Server:
         penalty = getattr(body, "repetition_penalty", None)
         if penalty is not None:
             sampling["repetition_penalty"] = penalty
+            sampling["repetition_context_size"] = getattr(body, "repetition_context_size", None) or 20
         return GenerationRequest(prompt.tokens, max_tokens, prompt.boundaries, sampling, stop, logprobs,
                                  top_logprobs)
 

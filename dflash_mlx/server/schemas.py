@@ -47,6 +47,7 @@ class _Sampling(_Lenient):
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(default=None, gt=0)
+    repetition_context_size: Optional[int] = Field(default=None, ge=1)
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False

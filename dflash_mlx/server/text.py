@@ -7,7 +7,7 @@ clients never see half a stop string or tool-call markup.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 
