@@ -206,12 +206,12 @@ class Generator:
                 if tail:
                     yield Delta(tail, [])
                 finish = "length"
-        finally:
-            steps.close()  # rolls a queued verify pass out of the caches
-            if committed:
-                state_tokens = prompt + committed[:-1]  # the newest token is not in the caches yet
-                if state.last_token == committed[-1]:
-                    self._store(state_tokens, state)
+        except BaseException:
+            steps.close()
+            raise  # caches a failed pass may have half-written are never stored
+        steps.close()  # rolls a queued verify pass out of the caches
+        if committed and state.last_token == committed[-1]:
+            self._store(prompt + committed[:-1], state)  # the newest token is not in the caches yet
         gen_time = time.perf_counter() - gen_tic
         summary = _dflash_stats(stats, widths, drafted, accepted, self.plain, ttft, gen_time, emitted, n - cached, ttft)
         summary["collapsed"] = collapsed  # drafting stopped paying off (tau near 1 over many passes)
