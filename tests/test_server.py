@@ -279,6 +279,9 @@ def test_anthropic_messages(pair, live):
     assert "content_block_start" in events and "content_block_stop" in events
     count = httpx.post(live.url + "/messages/count_tokens", json=body).json()
     assert count["input_tokens"] == len(ids)
+    bad = httpx.post(live.url + "/messages", json={"model": MODEL, "messages": body["messages"]})  # no max_tokens
+    assert bad.status_code == 400
+    assert bad.json()["type"] == "error" and bad.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_lazy_weights_made_on_another_thread(pair):

@@ -133,7 +133,7 @@ def test_real_model_calls_a_tool():
     model, tokenizer, drafter = load(DEFAULT_MODEL)
     running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name="coder")))
     try:
-        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=600)
+        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=3000)
         r = client.chat.completions.create(model="coder", temperature=0, max_tokens=64, tools=TOOLS,
                                            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
         (call,) = r.choices[0].message.tool_calls

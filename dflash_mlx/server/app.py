@@ -134,7 +134,7 @@ async def _first_event(job: Job, request: Request):
         raise APIError(400, str(e)) from e
 
 
-async def respond_openai(server: Server, request: Request, job: Job, fmt, stream: bool) -> Response:
+async def respond_openai(request: Request, job: Job, fmt, stream: bool) -> Response:
     event = await _first_event(job, request)
     if event is None:
         return Response(status_code=499)
@@ -242,7 +242,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ChatFormatter(settings.model_name, server.tokenizer, router_for(server.tokenizer, prompt.text, tools),
                             logprobs=body.logprobs, include_usage=include_usage)
-        return await respond_openai(server, request, job, fmt, body.stream)
+        return await respond_openai(request, job, fmt, body.stream)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
@@ -255,7 +255,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = CompletionFormatter(settings.model_name, server.tokenizer, logprobs=body.logprobs,
                                   include_usage=include_usage)
-        return await respond_openai(server, request, job, fmt, body.stream)
+        return await respond_openai(request, job, fmt, body.stream)
 
     anthropic_format.add_routes(app, server, authorize)
     return app
