@@ -108,6 +108,18 @@ def test_repetition_penalty_sees_the_cached_prompt_too(pair, client):
     assert r.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
 
 
+def test_logit_bias(pair, client):
+    model, tokenizer, drafter = pair
+    messages = [{"role": "user", "content": "Hello"}]
+    ids = _ids(tokenizer, messages)
+    favourite = tokenizer.encode(" the", add_special_tokens=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                       logit_bias={str(favourite): 100.0})
+    from mlx_lm.sample_utils import make_logits_processors
+    want = _reference(pair, ids, 6, logits_processors=make_logits_processors(logit_bias={favourite: 100.0}))
+    assert r.choices[0].message.content == want == tokenizer.decode([favourite] * 6).lstrip()
+
+
 def test_prefix_cache_on_attention_targets(pair, client):
     tokenizer = pair[1]
     first = [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "Hi there"}]
@@ -217,6 +229,10 @@ BAD = [
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, None, 404, "model"),
     ({"model": MODEL, "prompt": list(range(50)) * 100, "max_tokens": 4}, "/v1/completions", 400, "messages"),
     ({"model": MODEL, "prompt": [10**9], "max_tokens": 4}, "/v1/completions", 400, "prompt"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, None, 400,
+     "logit_bias"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     None, 400, "response_format"),
 ]
 
 
@@ -230,7 +246,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_lives(live, pair, client)
         assert error["message"] and error["type"], r.text
         if param is not None:
             assert error["param"] == param, (body, error)
-    too_long = httpx.post(live.base + "/v1/completions", json=BAD[-2][0]).json()["error"]
+    too_long = httpx.post(live.base + "/v1/completions", json=BAD[-4][0]).json()["error"]
     assert too_long["code"] == "context_length_exceeded"
     assert httpx.get(live.base + "/health").status_code == 200
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still there?"}],

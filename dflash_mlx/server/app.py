@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, FastAPI, Request
+from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..errors import DFlashError
@@ -102,8 +103,24 @@ class Server:
         if penalty is not None:
             sampling["repetition_penalty"] = penalty
             sampling["repetition_context_size"] = getattr(body, "repetition_context_size", None) or 20
+        bias = getattr(body, "logit_bias", None)
+        if bias:
+            sampling["logits_processors"] = make_logits_processors(logit_bias=self._logit_bias(bias))
         return GenerationRequest(prompt.tokens, max_tokens, prompt.boundaries, sampling, stop, logprobs,
                                  top_logprobs)
+
+    def _logit_bias(self, bias: Dict[str, float]) -> Dict[int, float]:
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                               param="logit_bias")
+            out[token] = float(value)
+        return out
 
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request, asyncio.get_running_loop())
@@ -231,6 +248,10 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
+        response_format = (body.model_extra or {}).get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {response_format.get('type')!r} is not supported (text only)",
+                           param="response_format")
         messages = prompts.openai_messages(body.messages)
         tools = None if body.tool_choice == "none" else body.tools
         template_kwargs = dict(settings.chat_template_kwargs or {}, **(body.chat_template_kwargs or {}))

@@ -53,6 +53,7 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = 1
+    logit_bias: Optional[Dict[str, float]] = None
 
 
 class ChatCompletionRequest(_Sampling):
