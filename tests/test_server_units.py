@@ -65,8 +65,12 @@ def test_snapshots_restore_exactly_and_stay_frozen():
     drafter, t = make_drafter(model)
     ids = prompt_ids(12, seed=3)
     snap, live, dlive = _snapshot(t, drafter, ids, with_pending=3)
-    # Writing on into the live caches must not reach the frozen copy.
+    # Writing into the live caches, also over positions the snapshot holds, must not reach the frozen copy.
     t(mx.array([prompt_ids(5, seed=4)]), live)
+    for c in live:
+        c.trim(9)
+    t(mx.array([prompt_ids(3, seed=6)]), live)
+    mx.eval([c.state for c in live])
     for cut in (12, 7, 10):
         tc, dc, pending = snap.restore(cut)
         ref_t, ref_d = t.make_cache(), drafter.make_cache()

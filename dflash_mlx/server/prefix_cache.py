@@ -7,8 +7,10 @@ entry that covers the longest prefix of it, so only the rest is prefilled:
 - recurrent layers (GatedDeltaNet) and sliding windows cannot be cut back, so such entries serve only prompts that
   extend their whole key. The server stores those at message boundaries and at the end of every request.
 
-Frozen caches never share a mutable container with a live cache: KV buffers are copied to their valid length
-(`KVCache` writes into its buffer in place), other caches are shallow copies whose arrays (immutable) are shared.
+Frozen caches never share a mutable container with a live cache. A frozen `KVCache` holds a slice of the live
+buffer: MLX arrays are values, so a later in-place write into the live cache gives it a new buffer rather than
+change the slice (the shared buffer cannot be donated). Nothing is copied when a request ends; the slice keeps the
+whole buffer alive, and that is what the budget counts. Other caches are shallow copies of immutable arrays.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ def _freeze(cache: Any) -> Any:
     if _cuttable(cache):
         frozen = KVCache()
         if cache.keys is not None:
-            frozen.keys = mx.contiguous(cache.keys[..., : cache.offset, :])
-            frozen.values = mx.contiguous(cache.values[..., : cache.offset, :])
+            frozen.keys = cache.keys[..., : cache.offset, :]
+            frozen.values = cache.values[..., : cache.offset, :]
         frozen.offset = cache.offset
         return frozen
     return _copy(cache)
@@ -90,14 +92,14 @@ class Snapshot:
     @classmethod
     def take(cls, target_cache: Sequence[Any], draft_cache: Optional[Sequence[Any]],
              pending: Optional[mx.array], length: int) -> "Snapshot":
+        live = list(target_cache) + list(draft_cache or [])
+        held = [a for c in live for a in _arrays(c)] + ([pending] if pending is not None else [])
         target = [_freeze(c) for c in target_cache]
         draft = None if draft_cache is None else [_freeze(c) for c in draft_cache]
         arrays = [a for c in target + (draft or []) for a in _arrays(c)]
-        if pending is not None:
-            arrays.append(pending)
-        mx.eval(arrays)
+        mx.eval(arrays, pending if pending is not None else [])
         cuttable = all(_cuttable(c) for c in target + (draft or []))
-        return cls(target, draft, pending, length, sum(a.nbytes for a in arrays), cuttable)
+        return cls(target, draft, pending, length, sum(a.nbytes for a in held), cuttable)
 
     def restore(self, length: int) -> Tuple[List[Any], Optional[List[Any]], Optional[mx.array]]:
         """Live (target caches, draft caches, pending features) after the first `length` tokens of the key."""
