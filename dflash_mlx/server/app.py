@@ -234,7 +234,8 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         return {"id": settings.model_name, "object": "model", "created": server.created, "owned_by": "dflash-mlx",
                 "context_length": server.context_length,
                 "dflash": {"drafter": settings.drafter_name,
-                           "block_size": gen.block_size or (gen.drafter.block_size if gen.drafter else 1)}}
+                           "block_size": gen.block_size or (gen.drafter.block_size if gen.drafter else 1),
+                           "adaptive_width": gen.drafter is not None and gen.block_size is None}}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():

@@ -21,6 +21,7 @@ from ..acceptance import make_acceptor
 from ..engine import DecodeState, dflash_generate_step, prefill
 from ..loading import prepare
 from ..stats import AcceptanceStats, CollapseWatch
+from ..width import WidthPolicy, nominal_cost
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .text import StopMatcher
 
@@ -144,13 +145,20 @@ class Generator:
                     self._store(prompt[:b], state)
 
         acceptor = make_acceptor(**req.sampling)
+        width = None
+        if self.drafter is not None and self.block_size is None:
+            # As `stream_generate`: widths chosen every pass; a seeded request follows acceptance alone (not the
+            # clock), so the same seed gives the same reply.
+            seeded = req.sampling.get("seed") is not None
+            width = WidthPolicy(self.drafter.block_size, cost=nominal_cost if seeded else None)
         if position > 0:
             acceptor.observe(mx.array(prompt[:position], dtype=mx.int32))  # logits processors see the whole prompt
         steps = dflash_generate_step(mx.array(prompt[position:], dtype=mx.int32), self.target, self.drafter,
                                      max_tokens=req.max_tokens, block_size=self.block_size, stop_tokens=self.eos,
-                                     prefill_step_size=self.prefill_step_size, state=state, acceptor=acceptor)
+                                     prefill_step_size=self.prefill_step_size, state=state, acceptor=acceptor,
+                                     width=width)
         stats, widths, watch, collapsed = AcceptanceStats(), {}, CollapseWatch(), False
-        drafted = accepted = 0
+        drafted = accepted = last_width = 0
         committed: List[int] = []
         detokenizer = self.tokenizer.detokenizer
         detokenizer.reset()
@@ -167,6 +175,7 @@ class Generator:
                 else:
                     stats.record(cycle.accepted, cycle.block_size)
                     widths[cycle.block_size] = widths.get(cycle.block_size, 0) + 1
+                    last_width = cycle.block_size
                     drafted += cycle.block_size - 1
                     accepted += cycle.accepted
                     warning = watch.check(stats)
@@ -213,7 +222,11 @@ class Generator:
         if committed and state.last_token == committed[-1]:
             self._store(prompt + committed[:-1], state)  # the newest token is not in the caches yet
         gen_time = time.perf_counter() - gen_tic
+        # Width-1 passes are plain decoding steps, except a last pass the token limit cut down.
+        plain_passes = widths.get(1, 0) - (1 if last_width == 1 and emitted >= req.max_tokens else 0)
         summary = _dflash_stats(stats, widths, drafted, accepted, self.plain, ttft, gen_time, emitted, n - cached, ttft)
+        summary["plain_passes"] = plain_passes
+        summary["fallback"] = summary["fallback"] or plain_passes > 0
         summary["collapsed"] = collapsed  # drafting stopped paying off (tau near 1 over many passes)
         yield Outcome(finish, n, emitted, cached, n - cached, summary, stopper.hit)
 
