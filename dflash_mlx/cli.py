@@ -132,7 +132,8 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Waiting requests beyond this get a 503."),
     prompt_cache_bytes: str = typer.Option("2GiB", "--prompt-cache-bytes", help="Prefix cache budget: bytes, or "
                                            "with a K/M/G/KiB/MiB/GiB suffix; 0 turns the cache off."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Tokens verified per pass."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Fix the verify width (default: chosen "
+                                             "every pass; 1 = plain decoding)."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="max_tokens of requests that set none."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature of requests that set none."),
     chat_template_args: Optional[str] = typer.Option(None, "--chat-template-args", help="JSON passed to the chat "
