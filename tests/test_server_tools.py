@@ -136,7 +136,9 @@ def test_real_model_calls_a_tool():
         client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=3000)
         r = client.chat.completions.create(model="coder", temperature=0, max_tokens=64, tools=TOOLS,
                                            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-        (call,) = r.choices[0].message.tool_calls
+        message = r.choices[0].message
+        assert message.tool_calls, f"no tool call; the reply was {message.content!r}"
+        (call,) = message.tool_calls
         assert call.function.name == "get_weather"
         assert json.loads(call.function.arguments)["city"] == "Paris"
         assert "<tool_call>" not in (r.choices[0].message.content or "")
