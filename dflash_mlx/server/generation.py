@@ -157,7 +157,7 @@ class Generator:
                                      max_tokens=req.max_tokens, block_size=self.block_size, stop_tokens=self.eos,
                                      prefill_step_size=self.prefill_step_size, state=state, acceptor=acceptor,
                                      width=width)
-        stats, widths, watch, collapsed = AcceptanceStats(), {}, CollapseWatch(), False
+        stats, widths, watch, collapsed = AcceptanceStats(adaptive=width is not None), {}, CollapseWatch(), False
         drafted = accepted = last_width = 0
         committed: List[int] = []
         detokenizer = self.tokenizer.detokenizer
