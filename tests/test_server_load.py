@@ -95,9 +95,18 @@ def test_sixteen_streaming_clients_four_leaving(pair):
 
 def test_max_queue_answers_503(pair):
     model, tokenizer, drafter = pair
-    running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL, max_queue=1)))
+    app = create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL, max_queue=1))
+    worker = app.state.server.worker
+    gate, real_run = threading.Event(), worker.generator.run
+
+    def gated_run(req, should_stop=lambda: False):  # the first generation waits until the test opens the gate
+        gate.wait(timeout=120)
+        yield from real_run(req, should_stop)
+
+    worker.generator.run = gated_run
+    running = start_in_thread(app)
     try:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 120,
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 8,
                 "temperature": 0}
         codes = []
 
@@ -114,8 +123,12 @@ def test_max_queue_answers_503(pair):
             time.sleep(0.02)
         r = httpx.post(running.url + "/chat/completions", json=body, timeout=60)
         assert r.status_code == 503 and "busy" in r.json()["error"]["message"]
+        gate.set()
         first.join()
         second.join()
         assert codes == [200, 200]
+        assert httpx.get(running.base + "/health").json() == {"status": "ok", "model": MODEL, "waiting": 0,
+                                                              "running": 0}
     finally:
+        gate.set()
         running.stop()
