@@ -46,7 +46,7 @@ def test_sixteen_streaming_clients_four_leaving(pair):
             try:
                 c = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
                 stream = c.chat.completions.create(model=MODEL, messages=_messages(i), temperature=0, stream=True,
-                                                   max_tokens=200 if i in leavers else max_tokens)
+                                                   max_tokens=1000 if i in leavers else max_tokens)
                 text = ""
                 for k, chunk in enumerate(stream):
                     if chunk.choices:
@@ -80,8 +80,8 @@ def test_sixteen_streaming_clients_four_leaving(pair):
         assert health and all(code == 200 for code in health)
 
         metrics = httpx.get(running.base + "/metrics").text
-        # The leavers asked for 200 tokens: their generations were stopped, not run to the end.
-        assert _metric(metrics, "dflash_generations_cancelled_total") == len(leavers)
+        # The leavers asked for 1000 tokens: their generations were stopped, not run to the end.
+        assert _metric(metrics, "dflash_generations_cancelled_total") == len(leavers), metrics
         assert _metric(metrics, "dflash_completion_tokens_total") < (n - len(leavers)) * max_tokens + 200
         # Their stopped states went into the prefix cache; replies built on them are still exact.
         c = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
