@@ -3,6 +3,8 @@
 The output is a directory with a normalized `config.json` (`model_type: "dflash"`, sorted keys) and one
 `model.safetensors` in the chosen dtype, optionally quantized. Converting the same input twice gives
 byte-identical files. Reading and checking is shared with `dflash_mlx.drafter_io.load_drafter`.
+The directory appears only when complete (a temporary folder renamed into place); a non-empty one is replaced
+only with `force`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dflash_mlx.drafter_io import (
     save_drafter,
 )
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.io_safety import check_output_dir, output_dir
 
 
 def convert_drafter(
@@ -29,20 +32,27 @@ def convert_drafter(
     q_bits: Optional[int] = None,
     q_group_size: int = 64,
     revision: Optional[str] = None,
+    force: bool = False,
 ) -> Path:
-    """Convert `source` (a drafter directory or Hub repo id) into `out`; returns the output directory."""
+    """Convert `source` (a drafter directory or Hub repo id) into `out`; returns the output directory.
+
+    `out` must be new or empty unless `force`, which replaces it once the conversion has succeeded.
+    """
     target_dtype = parse_dtype(dtype)  # bad flags fail before any download
     if q_bits is not None:
         check_quantization(q_bits, q_group_size)
-    path = resolve_checkpoint(source, revision)
     out = Path(out).expanduser()
-    if out.resolve() == path.resolve():
+    if out.resolve() == Path(source).expanduser().resolve():
         # The source tensors are read lazily from the file we would overwrite.
         raise DFlashError(f"output directory '{out}' is the source directory; choose another one")
+    check_output_dir(out, force)  # before any download
+    path = resolve_checkpoint(source, revision)
     drafter = read_drafter(path)
     if drafter.config.quantization:
         raise DFlashError(f"'{source}' is already quantized; convert from the original (unquantized) checkpoint")
     drafter.set_dtype(target_dtype)
     if q_bits is not None:
         quantize_drafter(drafter, q_bits, q_group_size)
-    return save_drafter(drafter, out)
+    with output_dir(out, force) as tmp:
+        save_drafter(drafter, tmp)
+    return out

@@ -12,9 +12,7 @@ fp16, or re-quantized with mlx-lm's own quantizer, so `mlx_lm.load` and dflash-m
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -22,6 +20,7 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.io_safety import check_output_dir, output_dir
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -146,6 +145,11 @@ def build_config(gguf: GGUFFile, spec: Optional[ArchSpec] = None) -> Dict[str, A
     """The mlx-lm config.json for this file (without torch_dtype / quantization)."""
     spec = spec or arch_spec(gguf)
     g = gguf.arch_get
+    missing = [k for k in ("embedding_length", "attention.head_count", "block_count", "feed_forward_length")
+               if g(k) is None]
+    if missing:
+        raise DFlashError(f"'{gguf.path.name}' lacks the metadata {gguf.arch}.{missing[0]}; it is not a complete "
+                          f"{gguf.arch} model file: download it again")
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     kv_heads = g("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
@@ -316,12 +320,13 @@ def convert_gguf(
     q_bits: Optional[int] = None,
     q_group_size: int = 64,
     progress: bool = True,
+    force: bool = False,
 ) -> Path:
     """Convert a GGUF file into an mlx-lm model directory `out` (written atomically); returns `out`.
 
     Args:
         path: the .gguf file.
-        out: the output directory; must not exist yet (or be empty).
+        out: the output directory; must not exist yet (or be empty), unless `force` (replaced on success).
         dtype: float32, bfloat16 or float16 (fp32/bf16/fp16 accepted) for the weights.
         q_bits: re-quantize the linear and embedding layers to 4 or 8 bits with mlx-lm's quantizer.
         q_group_size: quantization group size (32, 64 or 128).
@@ -337,9 +342,7 @@ def convert_gguf(
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
     if q_bits is not None and q_group_size not in (32, 64, 128):
         raise DFlashError(f"--q-group-size must be 32, 64 or 128, got {q_group_size}")
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DFlashError(f"output '{out}' already exists; choose a new directory or delete it")
+    out = check_output_dir(out, force)
 
     gguf = GGUFFile(path)
     spec = arch_spec(gguf)
@@ -362,15 +365,10 @@ def convert_gguf(
         model, config = quantize_model(model, config, q_group_size, q_bits)
     mx.eval(model.parameters())
 
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_model(partial, model, donate_model=True)
-    save_config(config, partial / "config.json")
-    save_tokenizer(tokenizer, partial)
-    if out.exists():
-        out.rmdir()
-    os.replace(partial, out)
+    with output_dir(out, force) as tmp:
+        save_model(tmp, model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        save_tokenizer(tokenizer, tmp)
     return out
 
 

@@ -11,12 +11,11 @@ multi-row verify rounds differently from a one-row decode (README, "Losslessness
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Optional, Union
 
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.io_safety import check_output_dir, output_dir
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
@@ -30,16 +29,18 @@ def convert_target(
     q_group_size: int = 64,
     dtype: Optional[str] = None,
     revision: Optional[str] = None,
+    force: bool = False,
 ) -> Path:
     """Write `source` into `out` (atomically) quantized to `q_bits` and/or cast to `dtype`; returns `out`.
 
     Args:
         source: a local model directory with config.json and safetensors, or a Hugging Face repo id.
-        out: the new output directory (must not exist, or be empty).
+        out: the new output directory (must not exist, or be empty, unless `force`).
         q_bits: 4 or 8 (mlx-lm affine quantization of linear and embedding layers); None keeps floats.
         q_group_size: 32, 64 or 128.
         dtype: fp32, bf16 or fp16 for the floats (default: the source's own `torch_dtype`).
         revision: hub revision when `source` is a repo id.
+        force: replace a non-empty `out` once the conversion has succeeded.
     """
     from mlx_lm.convert import convert as mlx_lm_convert
 
@@ -51,9 +52,7 @@ def convert_target(
         raise DFlashError(f"unsupported dtype '{dtype}'; choose fp32, bf16 or fp16")
     if q_bits is None and dtype is None:
         raise DFlashError("nothing to do: give --q-bits 4|8 and/or --dtype fp32|bf16|fp16")
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DFlashError(f"output '{out}' already exists; choose a new directory or delete it")
+    out = check_output_dir(out, force)
     local = Path(source).expanduser()
     if local.exists():
         config_file = local / "config.json"
@@ -70,26 +69,24 @@ def convert_target(
     elif source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise DFlashError(f"target '{source}' not found: give a local model directory or a hub repo id (org/name)")
 
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        mlx_lm_convert(str(local) if local.exists() else source, str(partial), quantize=q_bits is not None,
-                       q_group_size=q_group_size, q_bits=q_bits, dtype=DTYPES.get(dtype), revision=revision)
-    except (ValueError, FileNotFoundError) as e:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise DFlashError(f"mlx-lm could not convert '{source}': {' '.join(str(e).split())}") from None
-    except Exception as e:  # hub errors (offline, unknown repo) come in many types
-        shutil.rmtree(partial, ignore_errors=True)
-        raise DFlashError(f"could not convert '{source}': {type(e).__name__}: {' '.join(str(e).split())}") from None
-    if out.exists():
-        out.rmdir()
-    os.replace(partial, out)
+    with output_dir(out, force) as tmp:
+        tmp.rmdir()  # mlx-lm's converter creates its output folder itself and refuses an existing one
+        try:
+            mlx_lm_convert(str(local) if local.exists() else source, str(tmp), quantize=q_bits is not None,
+                           q_group_size=q_group_size, q_bits=q_bits, dtype=DTYPES.get(dtype), revision=revision)
+        except (ValueError, FileNotFoundError) as e:
+            raise DFlashError(f"mlx-lm could not convert '{source}': {' '.join(str(e).split())}") from None
+        except OSError:
+            raise  # a failed write: output_dir says what to do
+        except Exception as e:  # hub errors (offline, unknown repo) come in many types
+            raise DFlashError(f"could not convert '{source}': {type(e).__name__}: "
+                              f"{' '.join(str(e).split())}") from None
     return out
 
 
 def convert_model_command(source: Optional[str], out: Optional[Path], *, gguf: Optional[Path],
                           target: Optional[str], dtype: Optional[str], quantize: bool, q_bits: Optional[int],
-                          q_group_size: int, revision: Optional[str]) -> Path:
+                          q_group_size: int, revision: Optional[str], force: bool = False) -> Path:
     """`dflash-mlx convert --gguf FILE OUT` and `--target DIR_OR_REPO OUT`: check the flags, then convert."""
     if gguf is not None and target is not None:
         raise DFlashError("give either --gguf or --target, not both")
@@ -103,5 +100,7 @@ def convert_model_command(source: Optional[str], out: Optional[Path], *, gguf: O
     if gguf is not None:
         from .gguf import convert_gguf
 
-        return convert_gguf(gguf, out, dtype=dtype or "fp32", q_bits=q_bits, q_group_size=q_group_size)
-    return convert_target(target, out, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype, revision=revision)
+        return convert_gguf(gguf, out, dtype=dtype or "fp32", q_bits=q_bits, q_group_size=q_group_size,
+                            force=force)
+    return convert_target(target, out, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype, revision=revision,
+                          force=force)

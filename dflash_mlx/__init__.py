@@ -10,7 +10,18 @@ from . import _blas  # noqa: E402
 
 _blas.load_openblas()
 
-from .api import DFlashResponse, generate, load, stream_generate  # noqa: E402
 from .errors import DFlashError  # noqa: E402
+
+_API = ("DFlashResponse", "generate", "load", "stream_generate")
+
+
+def __getattr__(name):
+    # The API (and mlx with it) loads on first use: the CLI starts at once, so Ctrl-C and --help stay quick.
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")
+
 
 __all__ = ["load", "generate", "stream_generate", "DFlashResponse", "DFlashError", "__version__"]

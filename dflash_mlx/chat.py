@@ -17,6 +17,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 from .engine import DecodeState
 from .errors import DFlashError
+from .io_safety import write_text_atomic
 from .stats import AcceptanceStats
 
 HELP = """commands:
@@ -71,18 +72,23 @@ class ChatSession:
                 "thinking": self.thinking}
 
     def save(self, path: str) -> None:
-        Path(path).expanduser().write_text(json.dumps(self.to_json(), indent=2, ensure_ascii=False))
+        """Write the conversation as JSON, atomically; a failed write raises a one-line DFlashError."""
+        write_text_atomic(path, json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n")
 
     def load(self, path: str) -> None:
+        """Replace the conversation with one saved by `save`; a bad file raises a DFlashError and changes nothing."""
+        file = Path(path).expanduser()
         try:
-            data = json.loads(Path(path).expanduser().read_text())
-            messages = data["messages"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DFlashError(f"cannot load a conversation from {path}: {e}") from e
-        self.system = data.get("system")
-        self.sampling = dict(data.get("sampling") or self.sampling)
-        self.thinking = data.get("thinking", self.thinking)
-        self.messages = list(messages)
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise DFlashError(f"cannot read {path}: {e.strerror or e}; check the path") from None
+        except ValueError as e:  # bad JSON or bad UTF-8
+            raise DFlashError(f"{path} is not valid JSON ({e}); give a file saved with /save") from None
+        system, messages, sampling, thinking = _parse_conversation(data, path)
+        self.system, self.messages = system, messages
+        self.sampling = dict(sampling or self.sampling)
+        if "thinking" in data:
+            self.thinking = thinking
         self._drop_caches()
 
     # -- one turn ----------------------------------------------------------------------------------------------
@@ -117,13 +123,13 @@ class ChatSession:
             self.state = self._fresh_state()
         self.last_prefill_tokens = len(new) + (1 if self.seen else 0)
         self.seen.extend(new)
-        reply, response, stopped = "", None, False
+        reply, response, stopped = [], None, False
         stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
                                  block_size=self.block_size, state=self.state, **self.sampling)
         try:
             for response in stream:
                 self.seen.append(response.token)
-                reply += response.text
+                reply.append(response.token)
                 yield response.text
                 if should_stop():
                     stopped = True
@@ -134,7 +140,11 @@ class ChatSession:
                 # Stopped inside a verify pass: the caches hold tokens the reply never showed. Start the next
                 # turn from fresh caches rather than trim what may not be trimmable (recurrent layers).
                 self._drop_caches()
-            self.messages.append({"role": "assistant", "content": reply})
+            # The record holds the tokens' exact text (a streaming detokenizer may drop a leading space), so the
+            # next turn's rendering extends what the caches saw and they are reused.
+            eos = set(self.tokenizer.eos_token_ids)
+            self.messages.append({"role": "assistant",
+                                  "content": self.tokenizer.decode([t for t in reply if t not in eos])})
             if response is not None:
                 self.last_stats = response.stats
                 self.last_speed = (response.prompt_tps, response.generation_tps, response.generation_tokens)
@@ -150,6 +160,48 @@ class ChatSession:
             lines.append(f"tau {s.tau:.2f} over {s.cycles} verify passes; tokens committed per pass:")
             lines.append(s.format_histogram())
         return "\n".join(lines)
+
+
+_ROLES = ("system", "user", "assistant")
+# stream_generate's numeric sampling options (a saved file is passed back to it as keywords)
+_SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep", "seed", "repetition_penalty",
+                  "repetition_context_size")
+
+
+def _parse_conversation(data, path: str):
+    """(system, messages, sampling, thinking) of a saved conversation, checked field by field."""
+    def bad(what: str) -> DFlashError:
+        return DFlashError(f"{path} is not a conversation saved with /save: {what}")
+
+    if not isinstance(data, dict):
+        raise bad("the top level must be a JSON object")
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        raise bad("'messages' must be a list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
+            raise bad(f"message {i} must be an object with a role ({', '.join(_ROLES)}) and a text content")
+    system = data.get("system")
+    if system is not None and not isinstance(system, str):
+        raise bad("'system' must be a string or null")
+    sampling = data.get("sampling")
+    if sampling is not None:
+        if not isinstance(sampling, dict) or set(sampling) - set(_SAMPLING_KEYS):
+            raise bad(f"'sampling' may hold only {', '.join(_SAMPLING_KEYS)}")
+        from .sampling import SamplingParams
+
+        if not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in sampling.values()):
+            raise bad("'sampling' values must be numbers")
+        params = {k: v for k, v in sampling.items() if k in ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep")
+                  and v is not None}
+        try:
+            SamplingParams(**params)
+        except (DFlashError, TypeError, ValueError) as e:
+            raise bad(f"'sampling' is invalid ({e})") from None
+    thinking = data.get("thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise bad("'thinking' must be true, false or null")
+    return system, [dict(role=m["role"], content=m["content"]) for m in messages], sampling, thinking
 
 
 @contextmanager
@@ -193,15 +245,20 @@ def _command(session: ChatSession, line: str, out) -> bool:
         session.thinking = not (session.thinking if session.thinking is not None else True)
         session._drop_caches()
         print(f"thinking {'on' if session.thinking else 'off'}", file=out)
-    elif name == "/save" and arg:
-        session.save(arg)
-        print(f"saved {len(session.messages)} messages to {arg}", file=out)
-    elif name == "/load" and arg:
+    elif name in ("/save", "/load") and not arg:
+        print(f"usage: {name} FILE", file=out)
+    elif name == "/save":
+        try:
+            session.save(arg)
+            print(f"saved {len(session.messages)} messages to {arg}", file=out)
+        except DFlashError as e:  # the conversation stays as it was
+            print(f"error: {e}", file=out)
+    elif name == "/load":
         try:
             session.load(arg)
             print(f"loaded {len(session.messages)} messages from {arg}", file=out)
         except DFlashError as e:
-            print(f"error: {e}", file=out)
+            print(f"error: {e}; the current conversation is kept", file=out)
     elif name == "/help":
         print(HELP, file=out)
     else:
@@ -232,7 +289,11 @@ def run_repl(session: ChatSession, stdin=None, out=None) -> None:
                 break
             continue
         stop = [False]
-        with _sigint_sets_flag(stop):
-            for segment in session.send(line.rstrip("\n"), should_stop=lambda: stop[0]):
-                print(segment, end="", file=out, flush=True)
+        try:
+            with _sigint_sets_flag(stop):
+                for segment in session.send(line.rstrip("\n"), should_stop=lambda: stop[0]):
+                    print(segment, end="", file=out, flush=True)
+        except DFlashError as e:  # e.g. a reply that cannot be generated: say so, keep the session
+            print(f"\nerror: {e}", file=out, flush=True)
+            continue
         print("\n[stopped]" if stop[0] else "", file=out, flush=True)

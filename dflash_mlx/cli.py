@@ -5,15 +5,34 @@ Every user mistake ends in one line on stderr that says what is wrong and what t
 
 from __future__ import annotations
 
-import logging
+import signal
 import sys
-from pathlib import Path
-from typing import List, Optional
 
-import typer
 
-from .errors import DFlashError
-from .models import DEFAULT_MODEL
+def _exit_quietly(signum, frame):
+    # Ctrl-C while the modules below load: nothing has started, so leave at once, without a traceback.
+    print(file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
+def _swap_sigint(handler):
+    """Install a SIGINT handler; returns the previous one (None where signals cannot be set, off the main thread)."""
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        return None
+
+
+_SIGINT_AT_IMPORT = _swap_sigint(_exit_quietly)  # restored at the end of this module
+
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import List, Optional  # noqa: E402
+
+import typer  # noqa: E402
+
+from .errors import DFlashError  # noqa: E402
+from .models import DEFAULT_MODEL  # noqa: E402
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -68,22 +87,21 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
-    from . import api
+    from . import console
     from .sampling import SamplingParams
+    from .validate import check_max_tokens
 
-    if max_tokens == 0:
-        raise DFlashError("--max-tokens must be positive (or -1 for no limit)")
+    check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
-    target, tokenizer, drafter = api.load(model, draft, quant=quant)
+    target, tokenizer, drafter = console.load_checked(model, draft, quant)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
+    console.warn_before_run(target, drafter, len(ids), block_size)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
-    if verbose:
-        api.generate(target, tokenizer, ids, drafter, verbose=True, **options)
-        return
-    for r in api.stream_generate(target, tokenizer, ids, drafter, **options):
-        print(r.text, end="", flush=True)
-    print()
+    try:
+        console.stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
+    except KeyboardInterrupt:  # the line is ended and the summary printed; main says "interrupted"
+        raise typer.Exit(130) from None
 
 
 @app.command()
@@ -91,7 +109,7 @@ def chat(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
     quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
-    max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply (-1: until EOS)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
                                              help="Fix the tokens verified per pass (default: chosen every pass)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message."),
@@ -105,15 +123,20 @@ def chat(
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
-    from . import api
+    from . import console
     from .chat import ChatSession, run_repl
     from .sampling import SamplingParams
+    from .validate import check_max_tokens
 
+    check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)
     if seed is not None:
         sampling["seed"] = seed
-    target, tokenizer, drafter = api.load(model, draft, quant=quant)
+    if history is not None and not history.expanduser().is_file():
+        raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
+    target, tokenizer, drafter = console.load_checked(model, draft, quant)
+    console.warn_before_run(target, drafter, 0, block_size)
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
                           block_size=block_size, sampling=sampling, thinking=thinking)
     if history is not None:
@@ -164,13 +187,15 @@ def convert(
                                          "--quantize; with --gguf / --target it alone turns quantization on)."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of the source."),
+    force: bool = typer.Option(False, "--force", help="Replace the contents of a non-empty output folder (only "
+                               "once the conversion has succeeded)."),
 ):
     """Convert a DFlash drafter (z-lab format), a GGUF model (--gguf) or a safetensors target (--target)."""
     if gguf is not None or target is not None:
         from .convert.target import convert_model_command
 
         path = convert_model_command(source, out, gguf=gguf, target=target, dtype=dtype, quantize=quantize,
-                                     q_bits=q_bits, q_group_size=q_group_size, revision=revision)
+                                     q_bits=q_bits, q_group_size=q_group_size, revision=revision, force=force)
         typer.echo(f"wrote {path}")
         return
     from .convert.drafter import convert_drafter
@@ -184,7 +209,7 @@ def convert(
     if quantize and q_bits not in (4, 8):
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
     path = convert_drafter(source, out, dtype=dtype, q_bits=q_bits if quantize else None,
-                           q_group_size=q_group_size, revision=revision)
+                           q_group_size=q_group_size, revision=revision, force=force)
     typer.echo(f"wrote {path}")
 
 
@@ -260,10 +285,27 @@ def _show_warnings() -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Entry point: run the app, turning every expected failure into one line and exit code 2 (1 for Ctrl-C)."""
+    """Entry point: run the app, turning every expected failure into one line and exit code 2 (130 for Ctrl-C)."""
+    # Ctrl-C raises KeyboardInterrupt from here on (commands clean up, then exit 130); whatever handler was
+    # there before comes back when main returns, so in-process callers (tests) keep theirs.
+    previous = _swap_sigint(signal.default_int_handler)
+    try:
+        code = _run(argv)
+    except KeyboardInterrupt:  # landed outside typer's own handling
+        code = 130
+    finally:
+        if previous is not None:
+            _swap_sigint(previous)
+    if code == 130:
+        typer.echo("interrupted", err=True)
+    return code
+
+
+def _run(argv: Optional[list]) -> int:
     _show_warnings()
     try:
-        # Without standalone mode, click returns the code a command exits with instead of raising.
+        # Without standalone mode, click returns the code a command exits with instead of raising; typer turns
+        # Ctrl-C into code 130.
         code = app(args=argv, standalone_mode=False)
         if isinstance(code, int):
             return code
@@ -285,10 +327,10 @@ def main(argv: Optional[list] = None) -> int:
     except typer.Abort:
         typer.echo("aborted", err=True)
         return 1
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        return 130
     return 0
+
+
+_swap_sigint(_SIGINT_AT_IMPORT if _SIGINT_AT_IMPORT is not None else signal.default_int_handler)
 
 
 if __name__ == "__main__":

@@ -71,15 +71,18 @@ class DFlashConfig:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
             raise DFlashError(
-                f"drafter config lists {len(self.layer_types)} layer_types for {self.num_hidden_layers} layers"
+                f"drafter config lists {len(self.layer_types)} layer_types for {self.num_hidden_layers} layers; "
+                "config.json is inconsistent: restore it from the drafter's source"
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise DFlashError("drafter config has sliding_attention layers but no sliding_window")
+            raise DFlashError("drafter config has sliding_attention layers but no sliding_window; "
+                              "config.json is incomplete: restore it from the drafter's source")
         if self.block_size < 1:
-            raise DFlashError(f"block_size must be >= 1, got {self.block_size}")
+            raise DFlashError(f"drafter config has block_size {self.block_size}; it must be >= 1 (fix config.json)")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise DFlashError(
-                f"draft_vocab_size {self.draft_vocab_size} must be between 1 and vocab_size {self.vocab_size}"
+                f"drafter config has draft_vocab_size {self.draft_vocab_size}, which must be between 1 and "
+                f"vocab_size {self.vocab_size}; config.json is inconsistent: restore it from the drafter's source"
             )
 
     @property
@@ -112,6 +115,15 @@ class DFlashConfig:
         if missing:
             raise DFlashError(f"drafter config.json lacks {', '.join(missing)}; is this a DFlash drafter?")
         values.setdefault("num_key_value_heads", values["num_attention_heads"])
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size", "block_size"):
+            value = values.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise DFlashError(f"drafter config has {name} = {value!r}; it must be a positive integer "
+                                  "(fix config.json or restore it from the drafter's source)")
+        ids = values.get("target_layer_ids")
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids):
+            raise DFlashError(f"drafter config has target_layer_ids = {ids!r}; it must be a list of layer numbers")
         return cls(**values)
 
     def to_dict(self) -> Dict[str, Any]:

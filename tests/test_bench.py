@@ -129,7 +129,7 @@ def test_prompt_sources(tmp_path):
     path.write_text('{"other": 1}\n')
     with pytest.raises(DFlashError, match="has no prompt"):
         load_prompts(str(path))
-    with pytest.raises(DFlashError, match="neither humaneval nor mtbench"):
+    with pytest.raises(DFlashError, match="does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 

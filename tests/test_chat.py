@@ -24,26 +24,52 @@ def _greedy(model, tokens, n):
     return [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=n)]
 
 
-def test_second_turn_prefills_only_new_tokens_and_stays_lossless(pair):
+def _encode_conversation(tokenizer, messages):
+    """The whole conversation as the model should see it, rendered and encoded without the session's code."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _greedy_reply(model, tokenizer, prompt, n):
+    """mlx-lm's greedy reply, up to and including EOS."""
+    out = _greedy(model, prompt, n)
+    stop = next((i + 1 for i, t in enumerate(out) if t in set(tokenizer.eos_token_ids)), len(out))
+    return out[:stop]
+
+
+# First turns whose greedy replies re-encode to the same tokens on this pair (asserted below), so the encoding of
+# the whole conversation extends what the caches hold and the exact prefill count is known in advance.
+@pytest.mark.parametrize("first,max_tokens", [("What is 2 + 2?", 6), ("def add(a, b):", 12)])
+def test_second_turn_prefills_only_new_tokens_and_stays_lossless(pair, first, max_tokens):
     model, tokenizer, drafter = pair
-    session = ChatSession(model, tokenizer, drafter, max_tokens=12)
-    "".join(session.send("Hello there"))
-    seen_after_first = len(session.seen)
-    offset_after_first = session.state.target_cache[0].offset
-    assert offset_after_first == seen_after_first - 1  # the last committed token is not in the cache yet
+    session = ChatSession(model, tokenizer, drafter, max_tokens=max_tokens)
+    second = "And a second question"
 
-    "".join(session.send("And a second question"))
-    new_prompt = session.last_prefill_tokens
-    rendered = session._render(session.messages[:-1])
-    full_prompt = tokenizer.encode(rendered, add_special_tokens=False)
-    # Only the tokens the conversation added since the first reply were prefilled.
-    assert new_prompt < len(full_prompt) // 2 + 2
-    assert session.state.target_cache[0].offset == len(session.seen) - 1
+    "".join(session.send(first))
+    prompt1 = _encode_conversation(tokenizer, [{"role": "user", "content": first}])
+    reply1 = _greedy_reply(model, tokenizer, prompt1, max_tokens)
+    assert session.seen == prompt1 + reply1  # the first reply is plain greedy decoding
+    assert session.state.target_cache[0].offset == len(prompt1) + len(reply1) - 1  # newest token not yet in it
+    text1 = _text(tokenizer, reply1)
+    assert session.messages[-1] == {"role": "assistant", "content": text1}
 
-    # The second reply is exactly what plain greedy decoding of the whole conversation gives.
-    reply = session.seen[seen_after_first - 1 + new_prompt:]
-    prompt = session.seen[: len(session.seen) - len(reply)]
-    assert reply == _greedy(model, prompt, len(reply))[: len(reply)]
+    text2 = "".join(session.send(second))
+    full = _encode_conversation(tokenizer, [{"role": "user", "content": first},
+                                            {"role": "assistant", "content": text1},
+                                            {"role": "user", "content": second}])
+    # The first reply re-encodes to the same tokens, so the conversation's encoding extends them ...
+    assert full[: len(prompt1) + len(reply1)] == prompt1 + reply1
+    # ... and the second turn feeds exactly the rest: the first reply's last token plus the new turn's tokens.
+    assert session.last_prefill_tokens == len(full) - len(prompt1) - len(reply1) + 1
+    # The second reply is exactly mlx-lm's greedy reply to the whole conversation, encoded from scratch.
+    reply2 = _greedy_reply(model, tokenizer, full, max_tokens)
+    assert session.seen == full + reply2
+    assert text2.strip() == _text(tokenizer, reply2).strip()
+    assert session.state.target_cache[0].offset == len(full) + len(reply2) - 1
+
+
+def _text(tokenizer, tokens):
+    return tokenizer.decode([t for t in tokens if t not in set(tokenizer.eos_token_ids)])
 
 
 def test_reset_and_system_clear_the_conversation(pair):

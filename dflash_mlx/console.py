@@ -1,0 +1,115 @@
+"""What `generate` and `chat` do around the model on the command line: load with checks, warn, stream, summarize.
+
+- `load_checked`: `api.load` after checking a local target folder (config.json, complete safetensors) and fetching
+  a hub target with a clear line when the hub cannot be reached.
+- `warn_before_run`: `warning:` lines for runs that go on, but not as the user expects.
+- `stream_to_stdout`: print tokens as they come, with a prefill bar for long prompts; on Ctrl-C end the line and
+  print the `--verbose` summary of what was generated, then let the KeyboardInterrupt go on to the caller.
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .validate import LONG_PROMPT_TOKENS, block_size_warning, check_model_dir, prompt_length_warning
+
+
+def load_checked(model: str, draft: Optional[str], quant: Optional[str]):
+    """`api.load(model, draft, quant=quant)`, with broken local files and an unreachable hub named first."""
+    from . import api
+
+    local = Path(model).expanduser()
+    if not local.exists() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        from .hub import fetch_target
+
+        local = fetch_target(model)  # a hub repo id: an unreachable hub is named as such
+        model = str(local)
+    if local.is_dir():
+        check_model_dir(local)
+    return api.load(model, draft, quant=quant)
+
+
+def warn(message: Optional[str]) -> None:
+    if message:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def warn_before_run(target, drafter, prompt_tokens: int, block_size: Optional[int]) -> None:
+    """An over-long prompt, a block larger than the drafter's: the run goes on, with one line saying so."""
+    args = getattr(target, "args", None)
+    warn(prompt_length_warning(prompt_tokens, getattr(args, "max_position_embeddings", None)))
+    warn(block_size_warning(block_size, getattr(drafter, "block_size", None)))
+
+
+class PrefillBar:
+    """A progress bar for prompts over LONG_PROMPT_TOKENS, driven by a `prefill_progress(done, total)` callback."""
+
+    def __init__(self, prompt_tokens: int):
+        self.enabled = prompt_tokens > LONG_PROMPT_TOKENS
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False, mininterval=0)
+        self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.bar.refresh()
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bool) -> None:
+    """Print the generated text as it comes, then (with `verbose`) speed and acceptance.
+
+    Ctrl-C: the line is ended and the summary of what was generated so far is printed before the
+    KeyboardInterrupt is re-raised.
+    """
+    from . import api
+
+    bar = PrefillBar(len(ids))
+    if "prefill_progress" in inspect.signature(api.stream_generate).parameters:
+        options = dict(options, prefill_progress=bar)
+    response = None
+    try:
+        for response in api.stream_generate(target, tokenizer, ids, drafter, **options):
+            print(response.text, end="", flush=True)
+    except KeyboardInterrupt:
+        try:  # a second Ctrl-C must not break the summary (cli.main restores the handler)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
+        bar.close()
+        print(flush=True)
+        if verbose and response is not None:
+            print_stats(response)
+        raise
+    finally:
+        bar.close()
+    print()
+    if verbose and response is not None:
+        print_stats(response)
+
+
+def print_stats(response) -> None:
+    """Speed, acceptance and memory of a run, as `dflash_mlx.generate(verbose=True)` prints them."""
+    print("=" * 10)
+    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+    stats = response.stats
+    if stats and stats.cycles:
+        print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
+              f"(block size {stats.max_block}); tokens committed per pass:")
+        print(stats.format_histogram())
+    print(f"Peak memory: {response.peak_memory:.3f} GB", flush=True)
