@@ -1,4 +1,4 @@
-"""The `dflash-mlx` command line: generate, chat, convert, models, bench, train.
+"""The `dflash-mlx` command line: generate, chat, serve, convert, models, bench, train.
 
 Every user mistake ends in one line on stderr that says what is wrong and what to do, and a non-zero exit.
 """
@@ -144,6 +144,33 @@ def chat(
     if history is not None:
         session.load(str(history))
     run_repl(session)
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
+    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or x-api-key)."),
+    max_queue: int = typer.Option(64, "--max-queue", min=0, help="Waiting requests beyond this get a 503."),
+    prompt_cache_bytes: str = typer.Option("2GiB", "--prompt-cache-bytes", help="Prefix cache budget: bytes, or "
+                                           "with a K/M/G/KiB/MiB/GiB suffix; 0 turns the cache off."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Fix the verify width (default: chosen "
+                                             "every pass; 1 = plain decoding)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="max_tokens of requests that set none."),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature of requests that set none."),
+    chat_template_args: Optional[str] = typer.Option(None, "--chat-template-args", help="JSON passed to the chat "
+                                                     "template, e.g. '{\"enable_thinking\": false}'."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id clients use "
+                                                    "(default: --model)."),
+):
+    """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
+    options = dict(locals())
+    from .server import serve_from_cli
+
+    serve_from_cli(**options)
 
 
 @app.command()

@@ -1,0 +1,142 @@
+"""`dflash-mlx serve`: an OpenAI- and Anthropic-compatible HTTP server on the DFlash engine (FastAPI + uvicorn).
+
+    from dflash_mlx import load
+    from dflash_mlx.server import ServerSettings, create_app, start_in_thread
+    model, tokenizer, drafter = load("qwen2.5-coder-0.5b")
+    running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name="coder")))
+    print(running.url)        # http://127.0.0.1:PORT/v1 for the openai client
+    running.stop()
+
+Modules: app (routes), schemas (request bodies), prompts (chat templates), worker (queue, one generation at a
+time), generation (the engine), prefix_cache (snapshots across requests), text (stop strings, reasoning and tool
+calls), openai_format / anthropic_format (response bodies), metrics (Prometheus text), errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from .app import ServerSettings, create_app
+
+__all__ = ["ServerSettings", "create_app", "serve", "serve_from_cli", "start_in_thread", "RunningServer"]
+
+logger = logging.getLogger("dflash_mlx.server")
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class RunningServer:
+    """A uvicorn server on a background thread; `url` is the OpenAI base URL (ends in /v1)."""
+
+    host: str
+    port: int
+    _server: object
+    _thread: threading.Thread
+
+    @property
+    def base(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+
+def _config(app, host: str, port: int, log_level: str):
+    import uvicorn
+
+    # One worker process: the model lives in this process, and generations are queued on one thread anyway.
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, workers=1, timeout_graceful_shutdown=5)
+
+
+def start_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> RunningServer:
+    """Serve `app` from a background thread (port 0: a free one); returns once it accepts connections."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(_config(app, host, port, log_level))
+    server.install_signal_handlers = lambda: None  # not the main thread
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dflash-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.02)
+    return RunningServer(host, port, server, thread)
+
+
+def serve(model: str, drafter: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
+          quant: Optional[str] = None, settings: Optional[ServerSettings] = None, log_level: str = "info") -> None:
+    """Load a target and drafter with `dflash_mlx.load` and serve them until interrupted."""
+    import uvicorn
+
+    from ..api import load
+
+    settings = settings or ServerSettings()
+    if host not in LOOPBACK and not settings.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    target, tokenizer, draft = load(model, drafter, quant=quant)
+    if settings.model_name == "default":
+        settings.model_name = model
+    if settings.drafter_name is None:
+        settings.drafter_name = drafter or "shipped"
+    app = create_app(target, tokenizer, draft, settings)
+    uvicorn.Server(_config(app, host, port, log_level)).run()
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '500M', '1e9' or '0' -> bytes."""
+    from ..errors import DFlashError
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    try:
+        if match is None or unit not in _UNITS:
+            raise ValueError
+        return int(float(match.group(1)) * _UNITS[unit])
+    except ValueError:
+        raise DFlashError(f"--prompt-cache-bytes {text!r} is not a size: give bytes, e.g. 2GiB, 500M or 0") from None
+
+
+def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
+                   api_key: Optional[str], max_queue: int, prompt_cache_bytes: str, block_size: Optional[int],
+                   max_tokens: int, temp: float, chat_template_args: Optional[str],
+                   served_model_name: Optional[str]) -> None:
+    """`dflash-mlx serve`: check every option before loading the model, then serve."""
+    from ..errors import DFlashError
+
+    template_args = None
+    if chat_template_args:
+        try:
+            template_args = json.loads(chat_template_args)
+        except ValueError as e:
+            raise DFlashError(f"--chat-template-args is not JSON: {e}") from None
+        if not isinstance(template_args, dict):
+            raise DFlashError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    settings = ServerSettings(model_name=served_model_name or model, drafter_name=draft, api_key=api_key,
+                              max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
+                              block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
+                              chat_template_kwargs=template_args)
+    serve(model, draft, host=host, port=port, quant=quant, settings=settings)

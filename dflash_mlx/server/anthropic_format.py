@@ -1,0 +1,225 @@
+"""Anthropic's Messages API (`POST /v1/messages`, streaming or not, and `/v1/messages/count_tokens`), so
+Claude-Code-style clients can use the server: content blocks (text, thinking, tool_use), `stop_reason`, and the
+named SSE events (message_start, content_block_*, message_delta, message_stop)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Dict, List, Optional
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import prompts
+from .errors import APIError
+from .generation import Delta, Outcome
+from .openai_format import dflash_field
+from .schemas import AnthropicCountRequest, AnthropicRequest
+from .text import OutputRouter, router_for
+from .worker import ClientGone, Job
+
+STOP_REASONS = {"length": "max_tokens", "cancelled": "end_turn"}
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    return prompts.text_of([b for b in content if b.get("type") == "text"], where)
+
+
+def chat_messages(body) -> List[Dict[str, Any]]:
+    """Anthropic system + messages -> chat-template messages (tool_use -> tool_calls, tool_result -> tool)."""
+    out: List[Dict[str, Any]] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system, "system")})
+    if not body.messages:
+        raise APIError(400, "'messages' is empty: send at least one message", param="messages")
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts, calls = [], []
+        for block in m.content:
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use" and m.role == "assistant":
+                calls.append({"id": block.get("id"), "type": "function",
+                              "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
+            elif kind == "tool_result" and m.role == "user":
+                result = block.get("content", "")
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                            "content": result if isinstance(result, str) else _text(result, f"messages.{i}")})
+            elif kind in ("thinking", "redacted_thinking"):
+                continue  # templates drop earlier reasoning
+            else:
+                raise APIError(400, f"messages.{i}: content blocks of type '{kind}' are not supported",
+                               param=f"messages.{i}.content")
+        if texts or calls:
+            message: Dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out
+
+
+def openai_tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                              "parameters": t.get("input_schema", {})}} for t in tools]
+
+
+def _event(name: str, data: Dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class MessagesFormatter:
+    def __init__(self, model: str, router: OutputRouter, prompt_tokens: int):
+        self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.model = model
+        self.router = router
+        self.prompt_tokens = prompt_tokens
+        self.blocks: List[Dict[str, Any]] = []
+        self.open: Optional[str] = None  # kind of the streaming block now open
+
+    def _stop_reason(self, outcome: Outcome) -> str:
+        if outcome.stop_string is not None:
+            return "stop_sequence"
+        if any(b["type"] == "tool_use" for b in self.blocks) and outcome.finish_reason == "stop":
+            return "tool_use"
+        return STOP_REASONS.get(outcome.finish_reason, "end_turn")
+
+    def _usage(self, outcome: Outcome) -> Dict[str, Any]:
+        return {"input_tokens": outcome.prompt_tokens - outcome.cached_tokens,
+                "cache_read_input_tokens": outcome.cached_tokens, "cache_creation_input_tokens": 0,
+                "output_tokens": outcome.completion_tokens}
+
+    def _add(self, pieces) -> List[str]:
+        """Append pieces to the content blocks; returns the SSE events that stream them."""
+        events = []
+        for p in pieces:
+            kind = {"content": "text", "reasoning": "thinking", "tool_call": "tool_use"}[p.kind]
+            if kind == "tool_use":
+                block = {"type": "tool_use", "id": p.call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
+                         "name": p.call.get("name", ""), "input": p.call.get("arguments", {})}
+                if isinstance(block["input"], str):
+                    try:
+                        block["input"] = json.loads(block["input"])
+                    except ValueError:
+                        block["input"] = {"raw": block["input"]}
+                events += self._close()
+                self.blocks.append(block)
+                index = len(self.blocks) - 1
+                events.append(_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                             "content_block": dict(block, input={})}))
+                events.append(_event("content_block_delta", {
+                    "type": "content_block_delta", "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}))
+                events += self._close(force=True)
+                continue
+            if self.open != kind:
+                events += self._close()
+                self.blocks.append({"type": kind, kind: ""} if kind == "thinking" else {"type": "text", "text": ""})
+                self.open = kind
+                events.append(_event("content_block_start", {"type": "content_block_start",
+                                                             "index": len(self.blocks) - 1,
+                                                             "content_block": dict(self.blocks[-1])}))
+            field = "thinking" if kind == "thinking" else "text"
+            self.blocks[-1][field] += p.text
+            events.append(_event("content_block_delta", {
+                "type": "content_block_delta", "index": len(self.blocks) - 1,
+                "delta": {"type": f"{field}_delta", field: p.text}}))
+        return events
+
+    def _close(self, force: bool = False) -> List[str]:
+        if self.open is None and not force:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
+
+    def start(self) -> List[str]:
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+        return [_event("message_start", {"type": "message_start", "message": message})]
+
+    def events(self, delta: Delta) -> List[str]:
+        return self._add(self.router.feed(delta.text))
+
+    def finish(self, outcome: Outcome) -> List[str]:
+        events = self._add(self.router.feed("", final=True)) + self._close()
+        events.append(_event("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": self._stop_reason(outcome),
+                                               "stop_sequence": outcome.stop_string},
+            "usage": self._usage(outcome), "dflash": dflash_field(outcome)}))
+        events.append(_event("message_stop", {"type": "message_stop"}))
+        return events
+
+    def response(self, outcome: Outcome) -> Dict[str, Any]:
+        self._add(self.router.feed("", final=True))
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.blocks, "stop_reason": self._stop_reason(outcome),
+                "stop_sequence": outcome.stop_string, "usage": self._usage(outcome),
+                "dflash": dflash_field(outcome)}
+
+
+def _template_kwargs(server, body) -> Dict[str, Any]:
+    kwargs = dict(server.settings.chat_template_kwargs or {})
+    thinking = getattr(body, "thinking", None)
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+    return kwargs
+
+
+def add_routes(app, server, authorize) -> None:
+    from .app import _first_event
+
+    @app.post("/v1/messages", dependencies=[Depends(authorize)])
+    async def messages(body: AnthropicRequest, request: Request):
+        server.check_model(body.model)
+        tools = openai_tools(body.tools)
+        if body.tool_choice and body.tool_choice.get("type") == "none":
+            tools = None
+        prompt = prompts.chat_prompt(server.tokenizer, chat_messages(body), tools, _template_kwargs(server, body))
+        job: Job = server.submit(server.generation_request(prompt, body, body.max_tokens,
+                                                           list(body.stop_sequences or [])))
+        fmt = MessagesFormatter(server.settings.model_name, router_for(server.tokenizer, prompt.text, tools),
+                                len(prompt.tokens))
+        event = await _first_event(job, request)
+        if event is None:
+            return Response(status_code=499)
+        if not body.stream:
+            while not isinstance(event, Outcome):
+                fmt.events(event)
+                try:
+                    event = await job.next(request)
+                except ClientGone:
+                    return Response(status_code=499)
+            return JSONResponse(fmt.response(event))
+
+        async def lines():
+            nonlocal event
+            try:
+                for line in fmt.start():
+                    yield line
+                while not isinstance(event, Outcome):
+                    for line in fmt.events(event):
+                        yield line
+                    event = await job.next()
+                for line in fmt.finish(event):
+                    yield line
+            except Exception as e:
+                yield _event("error", {"type": "error", "error": {"type": "api_error", "message": str(e)}})
+            finally:
+                job.cancel()
+
+        return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
+    async def count_tokens(body: AnthropicCountRequest):
+        server.check_model(body.model)
+        prompt = prompts.chat_prompt(server.tokenizer, chat_messages(body), openai_tools(body.tools),
+                                     _template_kwargs(server, body))
+        return {"input_tokens": len(prompt.tokens)}

@@ -1,0 +1,289 @@
+"""The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, Anthropic's /v1/messages,
+plus /health and /metrics. Handlers validate and tokenize, queue a job on the worker, and format its events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from fastapi import Depends, FastAPI, Request
+from mlx_lm.sample_utils import make_logits_processors
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..errors import DFlashError
+from ..sampling import SamplingParams
+from . import anthropic_format, errors, prompts
+from .errors import APIError
+from .generation import GenerationRequest, Generator, Outcome
+from .metrics import Metrics
+from .openai_format import ChatFormatter, CompletionFormatter
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .text import router_for
+from .worker import ClientGone, Job, QueueFull, Worker
+
+
+@dataclass
+class ServerSettings:
+    """What `dflash-mlx serve` is told on its command line (model loading aside)."""
+
+    model_name: str = "default"
+    drafter_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_queue: int = 64
+    prompt_cache_bytes: int = 2 << 30
+    block_size: Optional[int] = None
+    default_max_tokens: int = 512
+    context_length: Optional[int] = None  # default: the target's max_position_embeddings
+    temperature: float = 0.0  # when a request sets none (OpenAI's own default is 1.0)
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+def context_length_of(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        value = source.get("max_position_embeddings") if isinstance(source, dict) else \
+            getattr(source, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class Server:
+    """The served pair and everything requests share: generator, worker queue, metrics, settings."""
+
+    def __init__(self, model, tokenizer, drafter, settings: ServerSettings):
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+        self.settings = settings
+        self.generator = Generator(model, self.tokenizer, drafter, block_size=settings.block_size,
+                                   prompt_cache_bytes=settings.prompt_cache_bytes)
+        self.metrics = Metrics()
+        self.worker = Worker(self.generator, settings.max_queue, self.metrics)
+        self.context_length = settings.context_length or context_length_of(model)
+        self.vocab_size = self.generator.target.vocab_size
+        self.created = int(time.time())
+
+    # -- request checks ----------------------------------------------------------------------------------------
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.settings.model_name}' "
+                                "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def generation_request(self, prompt: prompts.Prompt, body, max_tokens: Optional[int], stop: List[str],
+                           logprobs: bool = False, top_logprobs: int = 0) -> GenerationRequest:
+        if getattr(body, "n", 1) != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        if max_tokens is not None and max_tokens <= 0:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        n = len(prompt.tokens)
+        if n == 0:
+            raise APIError(400, "the prompt is empty", param="messages")
+        limit = self.context_length
+        if limit is not None and n >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {n}; "
+                                "shorten the messages", param="messages", code="context_length_exceeded")
+        max_tokens = max_tokens or self.settings.default_max_tokens
+        if limit is not None:
+            max_tokens = min(max_tokens, limit - n)
+        option = lambda name, default: default if getattr(body, name, None) is None else getattr(body, name)
+        sampling = dict(temp=option("temperature", self.settings.temperature), top_p=option("top_p", 1.0),
+                        top_k=option("top_k", 0), min_p=option("min_p", 0.0))
+        try:
+            SamplingParams(**sampling)
+        except DFlashError as e:
+            raise APIError(400, str(e)) from e
+        sampling["seed"] = getattr(body, "seed", None)
+        penalty = getattr(body, "repetition_penalty", None)
+        if penalty is not None:
+            sampling["repetition_penalty"] = penalty
+            sampling["repetition_context_size"] = getattr(body, "repetition_context_size", None) or 20
+        bias = getattr(body, "logit_bias", None)
+        if bias:
+            sampling["logits_processors"] = make_logits_processors(logit_bias=self._logit_bias(bias))
+        return GenerationRequest(prompt.tokens, max_tokens, prompt.boundaries, sampling, stop, logprobs,
+                                 top_logprobs)
+
+    def _logit_bias(self, bias: Dict[str, float]) -> Dict[int, float]:
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                               param="logit_bias")
+            out[token] = float(value)
+        return out
+
+    def submit(self, request: GenerationRequest) -> Job:
+        job = Job(request, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy: {e}; retry later", type="server_overloaded") from e
+        return job
+
+
+def _stops(stop) -> List[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _sse(data: Dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _first_event(job: Job, request: Request):
+    """Wait for the prefill (so errors still get a status code); None if the client left meanwhile."""
+    try:
+        return await job.next(request)
+    except ClientGone:
+        return None
+    except DFlashError as e:
+        raise APIError(400, str(e)) from e
+
+
+async def respond_openai(request: Request, job: Job, fmt, stream: bool) -> Response:
+    event = await _first_event(job, request)
+    if event is None:
+        return Response(status_code=499)
+    if not stream:
+        while not isinstance(event, Outcome):
+            fmt.add(event)
+            try:
+                event = await job.next(request)
+            except ClientGone:
+                return Response(status_code=499)
+        return JSONResponse(fmt.response(event))
+
+    async def lines():
+        nonlocal event
+        try:
+            if hasattr(fmt, "first_chunk"):
+                yield _sse(fmt.first_chunk())
+            while not isinstance(event, Outcome):
+                for chunk in fmt.chunks(event):
+                    yield _sse(chunk)
+                event = await job.next()
+            for chunk in fmt.final_chunks(event):
+                yield _sse(chunk)
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # the status line is gone: report in the stream
+            yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+        finally:
+            job.cancel()  # the client left (or we are done): stop between two verify passes
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = None) -> FastAPI:
+    """The FastAPI app serving one target/drafter pair (already loaded, e.g. by `dflash_mlx.load`)."""
+    settings = settings or ServerSettings()
+    server = Server(model, tokenizer, drafter, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
+
+    app = FastAPI(title="dflash-mlx", version=_version(), lifespan=lifespan)
+    app.state.server = server
+    errors.install(app)
+
+    async def authorize(request: Request) -> None:
+        key = settings.api_key
+        if not key:
+            return
+        given = request.headers.get("x-api-key") or ""
+        auth = request.headers.get("authorization") or ""
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "invalid API key: send 'Authorization: Bearer KEY' with the server's --api-key",
+                           type="authentication_error", code="invalid_api_key")
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        server.metrics.record_request(request.url.path, response.status_code)
+        return response
+
+    @app.get("/health")
+    async def health():
+        alive = server.worker.alive
+        body = {"status": "ok" if alive else "worker stopped", "model": settings.model_name,
+                "waiting": server.worker.waiting, "running": server.worker.running}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def metrics():
+        return PlainTextResponse(server.metrics.render(server.worker.waiting, server.worker.running,
+                                                       settings.model_name),
+                                 media_type="text/plain; version=0.0.4")
+
+    def model_card() -> Dict[str, Any]:
+        gen = server.generator
+        return {"id": settings.model_name, "object": "model", "created": server.created, "owned_by": "dflash-mlx",
+                "context_length": server.context_length,
+                "dflash": {"drafter": settings.drafter_name,
+                           "block_size": gen.block_size or (gen.drafter.block_size if gen.drafter else 1),
+                           "adaptive_width": gen.drafter is not None and gen.block_size is None}}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
+    async def model(name: str):
+        server.check_model(name)
+        return model_card()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body.model)
+        response_format = (body.model_extra or {}).get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {response_format.get('type')!r} is not supported (text only)",
+                           param="response_format")
+        messages = prompts.openai_messages(body.messages)
+        tools = None if body.tool_choice == "none" else body.tools
+        template_kwargs = dict(settings.chat_template_kwargs or {}, **(body.chat_template_kwargs or {}))
+        prompt = prompts.chat_prompt(server.tokenizer, messages, tools, template_kwargs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top = body.top_logprobs or 0
+        job = server.submit(server.generation_request(prompt, body, max_tokens, _stops(body.stop), body.logprobs,
+                                                      top))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = ChatFormatter(settings.model_name, server.tokenizer, router_for(server.tokenizer, prompt.text, tools),
+                            logprobs=body.logprobs, include_usage=include_usage)
+        return await respond_openai(request, job, fmt, body.stream)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompt = prompts.text_prompt(server.tokenizer, body.prompt, server.vocab_size)
+        job = server.submit(server.generation_request(prompt, body, body.max_tokens, _stops(body.stop),
+                                                      body.logprobs is not None, body.logprobs or 0))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = CompletionFormatter(settings.model_name, server.tokenizer, logprobs=body.logprobs,
+                                  include_usage=include_usage)
+        return await respond_openai(request, job, fmt, body.stream)
+
+    anthropic_format.add_routes(app, server, authorize)
+    return app
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

@@ -1,0 +1,245 @@
+"""The server's one door into the DFlash engine: run a tokenized request with the prefix cache, cycle by cycle.
+
+`Generator.run` restores the longest cached prefix of the prompt, prefills the rest (stopping at message boundaries
+to snapshot caches that cannot be cut back), then runs `engine.dflash_generate_step` and yields one `Delta` per
+verify pass and a final `Outcome`. Between two passes it polls `should_stop`; closing the engine's generator rolls
+a queued pass out of the caches, so they hold exactly the committed tokens and are stored for the next request.
+Everything here runs on the server's single worker thread (MLX is driven from one thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ..acceptance import make_acceptor
+from ..engine import DecodeState, dflash_generate_step, prefill
+from ..loading import prepare
+from ..stats import AcceptanceStats, CollapseWatch
+from ..width import WidthPolicy, nominal_cost
+from .prefix_cache import Hit, PrefixCache, Snapshot
+from .text import StopMatcher
+
+logger = logging.getLogger("dflash_mlx")
+
+
+@dataclass
+class GenerationRequest:
+    """A tokenized request. `boundaries` are prompt positions (message ends) worth a snapshot."""
+
+    prompt: List[int]
+    max_tokens: int
+    boundaries: List[int] = field(default_factory=list)
+    sampling: Dict = field(default_factory=dict)  # temp, top_p, top_k, min_p, seed, repetition_penalty
+    stop: List[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: List[tuple]  # (token id, logprob), most likely first
+
+
+@dataclass
+class Delta:
+    """The text one verify pass added (after stop-string handling), its tokens and their log-probabilities."""
+
+    text: str
+    tokens: List[int]
+    logprobs: Optional[List[TokenLogprob]] = None
+
+
+@dataclass
+class Outcome:
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    stats: Dict
+    stop_string: Optional[str] = None
+
+
+def _dflash_stats(stats: AcceptanceStats, widths: Dict[int, int], drafted: int, accepted: int, plain: bool,
+                  ttft: float, gen_time: float, n: int, prefilled: int, prefill_time: float) -> Dict:
+    return {
+        "tau": round(stats.tau, 4),
+        "cycles": stats.cycles,
+        "verify_widths": {str(k): v for k, v in sorted(widths.items())},
+        "acceptance_histogram": {str(k): v for k, v in sorted(stats.histogram.items())},
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        # Plain decoding: no drafter, block size 1, or every pass verified a single token.
+        "fallback": plain or (stats.cycles > 0 and drafted == 0),
+        "prefilled_tokens": prefilled,
+        "time_to_first_token_s": round(ttft, 6),
+        "prompt_tps": round(prefilled / prefill_time, 3) if prefill_time > 0 else 0.0,
+        "generation_tps": round(n / gen_time, 3) if gen_time > 0 else 0.0,
+    }
+
+
+class Generator:
+    """One loaded target/drafter pair, its tokenizer and the prefix cache."""
+
+    def __init__(self, model, tokenizer, drafter, *, block_size: Optional[int] = None,
+                 prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.block_size = block_size
+        self.prefill_step_size = prefill_step_size
+        self.target = prepare(model, drafter)
+        # MLX streams belong to threads: weights still lazy here would be evaluated on the worker thread against
+        # this thread's stream, which fails. Materialize them now.
+        mx.eval(model.parameters(), drafter.parameters() if drafter is not None else [])
+        self.cache = PrefixCache(prompt_cache_bytes)
+        self.eos = set(tokenizer.eos_token_ids)
+        caches = self.target.make_cache() + (drafter.make_cache() if drafter is not None else [])
+        self.cuttable = all(type(c) is KVCache for c in caches)
+
+    @property
+    def plain(self) -> bool:
+        return self.drafter is None or (self.block_size or self.drafter.block_size) <= 1
+
+    def _restore(self, hit: Hit) -> DecodeState:
+        if hit.snapshot is None:
+            return DecodeState.fresh(self.target, self.drafter)
+        target, draft, pending = hit.snapshot.restore(hit.length)
+        return DecodeState(target, draft, last_token=-1, pending_context=pending)
+
+    def _store(self, tokens: List[int], state: DecodeState) -> None:
+        if self.cache.max_bytes <= 0 or not tokens:
+            return
+        self.cache.insert(tokens, Snapshot.take(state.target_cache, state.draft_cache, state.pending_context,
+                                                len(tokens)))
+
+    def _advance(self, state: DecodeState, tokens: List[int]) -> None:
+        """Run `tokens` through the target and into the drafter's context without generating (a prefill that
+        stops at a message boundary)."""
+        prefill(self.target, self.drafter, mx.array(tokens, dtype=mx.int32), state, self.prefill_step_size)
+
+    def run(self, req: GenerationRequest, should_stop: Callable[[], bool] = lambda: False
+            ) -> Iterator[Union[Delta, Outcome]]:
+        tic = time.perf_counter()
+        prompt = list(req.prompt)
+        n = len(prompt)
+        hit = self.cache.lookup(prompt, n - 1) if self.cache.max_bytes > 0 else Hit(None, 0)
+        cached = hit.length
+        state = self._restore(hit)
+        position = cached
+        if not self.cuttable:
+            # Caches that cannot be cut back are snapshotted where a later request is likely to branch off.
+            for b in sorted(set(req.boundaries)):
+                if position < b < n:
+                    self._advance(state, prompt[position:b])
+                    position = b
+                    self._store(prompt[:b], state)
+
+        acceptor = make_acceptor(**req.sampling)
+        width = None
+        if self.drafter is not None and self.block_size is None:
+            # As `stream_generate`: widths chosen every pass; a seeded request follows acceptance alone (not the
+            # clock), so the same seed gives the same reply.
+            seeded = req.sampling.get("seed") is not None
+            width = WidthPolicy(self.drafter.block_size, cost=nominal_cost if seeded else None)
+        if position > 0:
+            acceptor.observe(mx.array(prompt[:position], dtype=mx.int32))  # logits processors see the whole prompt
+        steps = dflash_generate_step(mx.array(prompt[position:], dtype=mx.int32), self.target, self.drafter,
+                                     max_tokens=req.max_tokens, block_size=self.block_size, stop_tokens=self.eos,
+                                     prefill_step_size=self.prefill_step_size, state=state, acceptor=acceptor,
+                                     width=width)
+        stats, widths, watch, collapsed = AcceptanceStats(adaptive=width is not None), {}, CollapseWatch(), False
+        drafted = accepted = last_width = 0
+        committed: List[int] = []
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        stopper = StopMatcher(req.stop)
+        finish, emitted, ttft, gen_tic = None, 0, 0.0, tic
+        try:
+            for cycle in steps:
+                if cycle.is_prefill:
+                    ttft = time.perf_counter() - tic
+                    gen_tic = time.perf_counter()
+                    if not self.cuttable:
+                        # The prompt's state, before any verify pass: the next turn of a chat extends this prompt.
+                        self._store(prompt, state)
+                else:
+                    stats.record(cycle.accepted, cycle.block_size)
+                    widths[cycle.block_size] = widths.get(cycle.block_size, 0) + 1
+                    last_width = cycle.block_size
+                    drafted += cycle.block_size - 1
+                    accepted += cycle.accepted
+                    warning = watch.check(stats)
+                    if warning:
+                        collapsed = True
+                        logger.warning(warning)
+                committed.extend(cycle.tokens)
+                text, tokens = "", []
+                for token in cycle.tokens:
+                    emitted += 1
+                    tokens.append(token)
+                    if token in self.eos:
+                        finish = "stop"
+                        detokenizer.finalize()
+                        text += stopper.feed(detokenizer.last_segment, final=True)
+                        break
+                    detokenizer.add_token(token)
+                    last = emitted >= req.max_tokens
+                    if last:
+                        detokenizer.finalize()
+                    text += stopper.feed(detokenizer.last_segment, final=last)
+                    if stopper.hit is not None:
+                        finish = "stop"
+                        break
+                    if last:
+                        finish = "length"
+                        break
+                logprobs = self._logprobs(cycle.logits, tokens, req.top_logprobs) if req.logprobs else None
+                yield Delta(text, tokens, logprobs)
+                if finish is None and should_stop():
+                    finish = "cancelled"
+                if finish is not None:
+                    break
+            if finish is None:  # the engine ran out of tokens without saying why: treat as the length limit
+                detokenizer.finalize()
+                tail = stopper.feed(detokenizer.last_segment, final=True)
+                if tail:
+                    yield Delta(tail, [])
+                finish = "length"
+        except BaseException:
+            steps.close()
+            raise  # caches a failed pass may have half-written are never stored
+        steps.close()  # rolls a queued verify pass out of the caches
+        if committed and state.last_token == committed[-1]:
+            self._store(prompt + committed[:-1], state)  # the newest token is not in the caches yet
+        gen_time = time.perf_counter() - gen_tic
+        # Width-1 passes are plain decoding steps, except a last pass the token limit cut down.
+        plain_passes = widths.get(1, 0) - (1 if last_width == 1 and emitted >= req.max_tokens else 0)
+        summary = _dflash_stats(stats, widths, drafted, accepted, self.plain, ttft, gen_time, emitted, n - cached, ttft)
+        summary["plain_passes"] = plain_passes
+        summary["fallback"] = summary["fallback"] or plain_passes > 0
+        summary["collapsed"] = collapsed  # drafting stopped paying off (tau near 1 over many passes)
+        yield Outcome(finish, n, emitted, cached, n - cached, summary, stopper.hit)
+
+    def _logprobs(self, logits: mx.array, tokens: List[int], top: int) -> List[TokenLogprob]:
+        rows = logits[: len(tokens)].astype(mx.float32)
+        lp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        ids = mx.array(tokens, dtype=mx.int32)[:, None]
+        chosen = mx.take_along_axis(lp, ids, axis=-1)[:, 0]
+        k = max(0, min(int(top), lp.shape[-1]))
+        if k:
+            order = mx.argsort(-lp, axis=-1)[:, :k]
+            top_lp = mx.take_along_axis(lp, order, axis=-1)
+            order, top_lp = order.tolist(), top_lp.tolist()
+        chosen = chosen.tolist()
+        return [TokenLogprob(t, chosen[i], list(zip(order[i], top_lp[i])) if k else [])
+                for i, t in enumerate(tokens)]

@@ -1,0 +1,116 @@
+"""From request messages to prompt tokens: chat template (with tools and template switches), message boundaries
+for the prefix cache, and the one-line errors for messages the template cannot take."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .errors import APIError
+
+
+@dataclass
+class Prompt:
+    tokens: List[int]
+    text: str
+    boundaries: List[int] = field(default_factory=list)  # token positions where a message ends
+
+
+def text_of(content: Any, where: str) -> str:
+    """Message content as text: a string, or a list of text parts (other parts are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
+            raise APIError(400, f"{where}: content parts of type '{kind}' are not supported (text only)",
+                           param=where)
+    return "".join(parts)
+
+
+def _arguments(args: Any) -> Any:
+    # Templates iterate over arguments as a mapping; clients send them as a JSON string.
+    if isinstance(args, str):
+        try:
+            return json.loads(args) if args.strip() else {}
+        except ValueError:
+            return args
+    return args
+
+
+def openai_messages(messages) -> List[Dict[str, Any]]:
+    """Pydantic chat messages -> the dicts chat templates expect."""
+    if not messages:
+        raise APIError(400, "'messages' is empty: send at least one message", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        d: Dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                             "content": text_of(m.content, f"messages.{i}.content")}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": c.type,
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        out.append(d)
+    return out
+
+
+def _render(tokenizer, messages, tools, kwargs, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=generation_prompt, **kwargs)
+
+
+def chat_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[list] = None,
+                template_kwargs: Optional[Dict[str, Any]] = None) -> Prompt:
+    """Render and encode a conversation the way `mlx_lm.generate` does (template text, no extra special tokens)."""
+    kwargs = dict(template_kwargs or {})
+    if not getattr(tokenizer, "has_chat_template", False):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return Prompt(tokenizer.encode(text), text)
+    try:
+        text = _render(tokenizer, messages, tools, kwargs, True)
+    except Exception as e:  # jinja raises for conversations a template refuses
+        raise APIError(400, f"the chat template rejected these messages: {type(e).__name__}: {e}",
+                       param="messages") from e
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    # Message ends worth a snapshot: after the leading system messages, and after the last message.
+    n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    boundaries = []
+    for k in sorted({n_system, len(messages)} - {0}):
+        try:
+            prefix = _render(tokenizer, messages[:k], tools, kwargs, False)
+        except Exception:
+            continue
+        if not text.startswith(prefix):
+            continue
+        ids = tokenizer.encode(prefix, add_special_tokens=False)
+        if 0 < len(ids) < len(tokens) and tokens[: len(ids)] == ids:
+            boundaries.append(len(ids))
+    return Prompt(tokens, text, boundaries)
+
+
+def text_prompt(tokenizer, prompt: Any, vocab: int) -> Prompt:
+    """A /v1/completions prompt: text (encoded as mlx-lm does) or token ids."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported (n=1)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        tokens = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        return Prompt(tokens, prompt)
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+    return Prompt(list(prompt), tokenizer.decode(list(prompt)))

@@ -1,0 +1,117 @@
+"""The request queue: one generation at a time on one worker thread, results handed back to the event loop.
+
+Handlers `submit` a `Job` and read its events (`Delta`s, then an `Outcome` or an exception) with `job.next()`.
+A job whose client went away is `cancel`led: a queued one is skipped, a running one stops between two verify
+passes. More than `max_queue` waiting jobs are refused (the handler answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Optional
+
+from .generation import GenerationRequest, Generator, Outcome
+
+logger = logging.getLogger("dflash_mlx.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Job:
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def push(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.cancel()
+
+    async def next(self, request=None):
+        """The next Delta or the Outcome; a generation error is raised here. With `request`, the client is polled
+        while waiting, and a client that left cancels the job (raises `ClientGone`)."""
+        getter = asyncio.ensure_future(self._events.get())
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=0.25 if request is not None else None)
+            if done:
+                item = getter.result()
+                if isinstance(item, BaseException):
+                    raise item
+                return item
+            if await request.is_disconnected():
+                getter.cancel()
+                self.cancel()
+                raise ClientGone()
+
+
+class Worker:
+    def __init__(self, generator: Generator, max_queue: int = 64, metrics=None):
+        self.generator = generator
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.running = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.waiting >= self.max_queue:
+                raise QueueFull(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
+            self.waiting += 1
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        """Stop the running generation between two verify passes, drop the waiting ones, end the thread."""
+        self._stopping = True
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self.waiting -= 1
+                self.running = 1
+            try:
+                if job.cancelled or self._stopping:
+                    job.push(ClientGone())
+                    continue
+                for event in self.generator.run(job.request, should_stop=lambda: job.cancelled or self._stopping):
+                    if self.metrics is not None and isinstance(event, Outcome):
+                        self.metrics.record_outcome(event, self.generator.cache)
+                    job.push(event)
+            except Exception as e:  # a failed request must not take the worker down
+                logger.exception("generation failed")
+                job.push(e)
+            finally:
+                with self._lock:
+                    self.running = 0

@@ -1,0 +1,134 @@
+"""Concurrency: 16 streaming clients at once (4 leave early), every finished reply equal to its sequential run,
+/health answering throughout, caches exact after the cancellations, and --max-queue turning excess away."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from dflash_mlx import generate, load
+from dflash_mlx.demo import make_tiny_pair
+from dflash_mlx.server import ServerSettings, create_app, start_in_thread
+
+MODEL = "tiny"
+TOPICS = ["the sea", "a fox", "numbers", "speculative decoding", "the sun", "a tiny model", "dogs", "code"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target_dir, drafter_dir = make_tiny_pair(tmp_path_factory.mktemp("load"))
+    return load(str(target_dir), str(drafter_dir))
+
+
+def _messages(i):
+    # Pairs of requests share a system prompt, so cache hits and misses interleave.
+    return [{"role": "system", "content": f"Topic {i // 2}."},
+            {"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]} ({i})."}]
+
+
+def _metric(text, name):
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_sixteen_streaming_clients_four_leaving(pair):
+    model, tokenizer, drafter = pair
+    running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL)))
+    try:
+        n, max_tokens, leavers = 16, 20, {3, 6, 9, 12}
+        want = {i: generate(model, tokenizer, tokenizer.apply_chat_template(_messages(i), add_generation_prompt=True),
+                            drafter, max_tokens=max_tokens) for i in range(n)}
+        results, errors, health = {}, [], []
+        done = threading.Event()
+
+        def client(i):
+            try:
+                c = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
+                stream = c.chat.completions.create(model=MODEL, messages=_messages(i), temperature=0, stream=True,
+                                                   max_tokens=1000 if i in leavers else max_tokens)
+                text = ""
+                for k, chunk in enumerate(stream):
+                    if chunk.choices:
+                        text += chunk.choices[0].delta.content or ""
+                    if i in leavers and k >= 2:
+                        stream.close()  # hang up mid-reply
+                        return
+                results[i] = text
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append((i, repr(e)))
+
+        def poll_health():
+            while not done.is_set():
+                health.append(httpx.get(running.base + "/health", timeout=30).status_code)
+                time.sleep(0.1)
+
+        poller = threading.Thread(target=poll_health)
+        poller.start()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        done.set()
+        poller.join()
+
+        assert not errors, errors
+        assert set(results) == set(range(n)) - leavers
+        for i, text in results.items():
+            assert text == want[i], f"client {i}"
+        assert health and all(code == 200 for code in health)
+
+        metrics = httpx.get(running.base + "/metrics").text
+        # The leavers asked for 1000 tokens: their generations were stopped, not run to the end.
+        assert _metric(metrics, "dflash_generations_cancelled_total") == len(leavers), metrics
+        assert _metric(metrics, "dflash_completion_tokens_total") < (n - len(leavers)) * max_tokens + 200
+        # Their stopped states went into the prefix cache; replies built on them are still exact.
+        c = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
+        for i in sorted(leavers):
+            r = c.chat.completions.create(model=MODEL, messages=_messages(i), temperature=0, max_tokens=max_tokens)
+            assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+            assert r.choices[0].message.content == want[i]
+    finally:
+        running.stop()
+
+
+def test_max_queue_answers_503(pair):
+    model, tokenizer, drafter = pair
+    app = create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL, max_queue=1))
+    worker = app.state.server.worker
+    gate, real_run = threading.Event(), worker.generator.run
+
+    def gated_run(req, should_stop=lambda: False):  # the first generation waits until the test opens the gate
+        gate.wait(timeout=120)
+        yield from real_run(req, should_stop)
+
+    worker.generator.run = gated_run
+    running = start_in_thread(app)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 8,
+                "temperature": 0}
+        codes = []
+
+        def post():
+            codes.append(httpx.post(running.url + "/chat/completions", json=body, timeout=300).status_code)
+
+        first = threading.Thread(target=post)
+        first.start()
+        while not httpx.get(running.base + "/health").json()["running"]:
+            time.sleep(0.02)
+        second = threading.Thread(target=post)
+        second.start()
+        while not httpx.get(running.base + "/health").json()["waiting"]:
+            time.sleep(0.02)
+        r = httpx.post(running.url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "busy" in r.json()["error"]["message"]
+        gate.set()
+        first.join()
+        second.join()
+        assert codes == [200, 200]
+        assert httpx.get(running.base + "/health").json() == {"status": "ok", "model": MODEL, "waiting": 0,
+                                                              "running": 0}
+    finally:
+        gate.set()
+        running.stop()
