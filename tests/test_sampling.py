@@ -21,10 +21,10 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from scipy import stats
 
 import tiny
-from dflash_mlx.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor
+from dflash_mlx.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor, make_acceptor
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.sampling import SamplingParams, log_distribution, make_acceptor
+from dflash_mlx.sampling import SamplingParams, log_distribution
 
 ALPHA = 1e-3
 
@@ -367,8 +367,8 @@ def test_api_sampling(pair, monkeypatch):
     processor = lambda tokens, logits: logits  # noqa: E731
     tokens(temp=0.9, top_p=0.95, top_k=40, min_p=0.02, min_tokens_to_keep=2, seed=3, repetition_penalty=1.2,
            repetition_context_size=4, logits_processors=[processor])
-    assert calls[-1] == ((0.9, 0.95, 40, 0.02, 2, 3), dict(repetition_penalty=1.2, repetition_context_size=4,
-                                                           logits_processors=[processor], sampler=None))
+    assert calls[-1] == ((), dict(temp=0.9, top_p=0.95, top_k=40, min_p=0.02, min_tokens_to_keep=2, seed=3,
+                                  repetition_penalty=1.2, repetition_context_size=4, logits_processors=[processor]))
 
 
 def test_cli_sampling_flags(pair, capsys, monkeypatch):
@@ -391,4 +391,5 @@ def test_cli_sampling_flags(pair, capsys, monkeypatch):
 
     calls = _record_acceptors(monkeypatch)
     assert main(base + ["--temp", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--seed", "11"]) == 0
-    assert calls[-1][0][:4] == (0.7, 0.9, 20, 0.05) and calls[-1][0][5] == 11
+    assert {k: calls[-1][1][k] for k in ("temp", "top_p", "top_k", "min_p", "seed")} == \
+        dict(temp=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=11)

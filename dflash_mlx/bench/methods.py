@@ -22,8 +22,8 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from ..acceptance import GreedyAcceptor
-from ..engine import DecodeState, dflash_generate_step
+from ..acceptance import make_acceptor
+from ..engine import DecodeState, dflash_generate_step, prefill
 from ..oracle import OracleDrafter
 from ..target import TargetModel
 
@@ -193,13 +193,10 @@ class DFlashMethod(Method):
                 raise ValueError("the oracle drafter needs the reference output of plain decoding")
             drafter = OracleDrafter(list(ids) + list(reference), self.target.vocab_size, self.block,
                                     self.mask_token_id or 0)
-        state = DecodeState(self.target.make_cache(), drafter.make_cache())
-        for begin in range(0, len(ids) - 1, PREFILL_STEP):
-            chunk = mx.array(ids[begin : min(begin + PREFILL_STEP, len(ids) - 1)], dtype=mx.int32)[None]
-            _, hidden = self.target(chunk, state.target_cache)
-            drafter.append_context(hidden, state.draft_cache)
-            mx.eval([c.state for c in state.target_cache], [c.state for c in state.draft_cache])
-        acceptor = GreedyAcceptor() if self.temp == 0 else _sampling_acceptor(self.temp, seed)
+        state = DecodeState.fresh(self.target, drafter)
+        if len(ids) > 1:
+            prefill(self.target, drafter, mx.array(ids[:-1], dtype=mx.int32), state, PREFILL_STEP)
+        acceptor = make_acceptor(temp=self.temp, seed=seed)  # rejection sampling when temp > 0
         cycles = dflash_generate_step(mx.array(ids[-1:], dtype=mx.int32), self.target, drafter,
                                       max_tokens=max_tokens, block_size=self.block, mask_token_id=self.mask_token_id,
                                       stop_tokens=stops, state=state, acceptor=acceptor, profiler=profiler)
@@ -213,12 +210,6 @@ class DFlashMethod(Method):
                 yield c.tokens, c.accepted, 0 if c.is_prefill else c.block_size
         finally:
             cycles.close()
-
-
-def _sampling_acceptor(temp: float, seed: Optional[int]):
-    from ..sampling import make_acceptor  # lossless rejection sampling at temperature `temp`
-
-    return make_acceptor(temp=temp, seed=seed)
 
 
 def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: Sequence[int],

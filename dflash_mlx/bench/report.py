@@ -1,7 +1,7 @@
 """Turn benchmark runs into the report: per-method summary, per-prompt detail, verify cost; JSON, table and chart.
 
 Speedup is the ratio of decode throughput (total new tokens / total decode time over all prompts) to plain
-mlx-lm decoding's; τ is the mean number of tokens committed per target pass (dflash-reference.md section 3).
+mlx-lm decoding's; τ is the mean number of tokens committed per target pass (docs/algorithm.md).
 """
 
 from __future__ import annotations
