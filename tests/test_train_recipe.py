@@ -261,6 +261,12 @@ def test_features_on_device_give_the_same_batches(cache):
         assert mx.array_equal(a[k], b[k]).item(), k
 
 
+def _eos(target_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(target_dir).eos_token_ids or []
+
+
 # -- the command: card, resume ---------------------------------------------------------------------------------------
 def test_command_card_and_resume(tmp_path):
     from dflash_mlx.cli import main
@@ -276,7 +282,7 @@ def test_command_card_and_resume(tmp_path):
     argv = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2",
             "--block-size", "4", "--num-layers", "2", "--anchors", "16", "--batch-blocks", "32", "--seq-len", "48",
             "--eval-prompts", "2", "--eval-every", "1", "--eval-tokens", "6", "--checkpoint-every", "1",
-            "--labels", "target"]
+            "--labels", "target", "--draft-vocab", "64"]
     assert main(argv) == 0
     card = (out / "README.md").read_text()
     for needle in ("## Recipe", "γ", "learning rate", "gradient clip", "blocks per optimizer step",
@@ -295,6 +301,15 @@ def test_command_card_and_resume(tmp_path):
     args, *_, trainer, _, _ = _setup(TrainArgs(target=str(target_dir), out=str(out), progress=False), True,
                                      lambda *_: None)
     assert args.labels == "target" and trainer.step == 2
+    # The reduced vocabulary is drawn from the labels trained on: the target's choices, not the text.
+    from dflash_mlx.train.vocab import select_vocab
+
+    c, V = trainer.cache, trainer.drafter.config.vocab_size
+    chosen = np.arange(64) + np.array(trainer.drafter.d2t)
+    eos = list(_eos(target_dir))
+    want = select_vocab(np.asarray(c.argmax())[:, :-1], np.asarray(c.trainable)[:, 1:], 64, V, always=eos)
+    from_text = select_vocab(np.asarray(c.tokens), np.asarray(c.trainable), 64, V, always=eos)
+    assert chosen.tolist() == want.tolist() and want.tolist() != from_text.tolist()
     mine = dict(tree_flatten(trainer.drafter.parameters()))
     assert mine.keys() == params.keys() and all(mx.array_equal(mine[k], params[k]).item() for k in params)
     assert main(argv + ["--resume", "--steps", "3"]) == 0  # extends the run by one step

@@ -277,7 +277,11 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
     if saved is None:
         drafter.norm.weight = output_scale(target, drafter.norm.weight)
     if config.draft_vocab_size and saved is None:  # on resume the head and d2t come with the checkpoint
-        ids = select_vocab(cache.tokens, cache.trainable, config.draft_vocab_size, config.vocab_size,
+        labels, mask = np.asarray(cache.tokens), np.asarray(cache.trainable)
+        if args.labels == "target" and cache.argmax() is not None:
+            # The tokens trained on are the target's choices: argmax[p] labels position p + 1.
+            labels, mask = np.asarray(cache.argmax())[:, :-1], mask[:, 1:]
+        ids = select_vocab(labels, mask, config.draft_vocab_size, config.vocab_size,
                            always=getattr(tokenizer, "eos_token_ids", None) or [])
         drafter.d2t = mx.array(maps(ids, config.vocab_size)[0])
         drafter.lm_head.weight = head_rows(target, ids)
