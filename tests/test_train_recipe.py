@@ -247,6 +247,9 @@ def test_device_choice():
                        metal=False, cuda=True)
     assert (cuda.backend, cuda.memory) == ("cuda", 80 << 30)
     assert features_on_device(30 << 30, cuda) and not features_on_device(40 << 30, cuda)
+    busy = pick_device(mx.Device(mx.gpu), info=lambda d: {"total_memory": 80 << 30, "free_memory": 20 << 30},
+                       metal=False, cuda=True)
+    assert busy.memory == 20 << 30 and not features_on_device(10 << 30, busy)  # what is free, not the total
     unknown = DeviceChoice(mx.Device(mx.gpu), "cuda", "?", None)
     assert not features_on_device(1, unknown)
     here = pick_device()

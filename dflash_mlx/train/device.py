@@ -57,9 +57,9 @@ def pick_device(default: Optional[mx.Device] = None, info: Optional[Callable[[mx
         metal = _available("metal") if metal is None else metal
         cuda = _available("cuda") if cuda is None else cuda
         backend = "metal" if metal else "cuda" if cuda else "gpu"
-        # Metal reports a recommended working set (what the GPU may wire); CUDA its total memory.
-        memory = (facts.get("max_recommended_working_set_size") or facts.get("memory_size")
-                  or facts.get("total_memory"))
+        # Metal reports a recommended working set (what the GPU may wire); CUDA its free and total memory.
+        memory = (facts.get("max_recommended_working_set_size") or facts.get("free_memory")
+                  or facts.get("memory_size") or facts.get("total_memory"))
         return DeviceChoice(device, backend, name, int(memory) if memory else None)
     return DeviceChoice(device, "cpu", name, None)
 
