@@ -17,7 +17,7 @@ from typing import Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import Acceptor, make_acceptor
@@ -26,6 +26,7 @@ from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
 from .loading import load, prepare
 from .stats import AcceptanceStats, CollapseWatch
+from .width import Width, WidthPolicy, nominal_cost
 
 __all__ = ["DFlashResponse", "generate", "load", "prepare", "stream_generate"]
 
@@ -38,14 +39,16 @@ class DFlashResponse(GenerationResponse):
 
     Args (beyond mlx-lm's):
         accepted (int): draft tokens accepted by the verify pass this token came from.
-        block_size (int): tokens that pass verified.
+        block_size (int): tokens that pass verified (its verify width; 1 = a plain decoding step).
         tau (float): acceptance length so far (mean tokens committed per verify pass).
-        stats (AcceptanceStats): the running statistics object (histogram included).
+        widths (dict): verify width -> passes so far (the widths the engine used).
+        stats (AcceptanceStats): the running statistics object (histograms included).
     """
 
     accepted: int = 0
     block_size: int = 1
     tau: float = 0.0
+    widths: Optional[dict] = None
     stats: Optional[AcceptanceStats] = None
 
 
@@ -72,6 +75,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
     acceptor: Optional[Acceptor] = None,
+    width: Optional[Width] = None,
     warn_collapse: bool = True,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
@@ -83,11 +87,15 @@ def stream_generate(
         prompt: text (encoded as mlx-lm does, no chat template applied) or token ids.
         drafter: the DFlash drafter; `None` decodes plainly through the same loop.
         max_tokens: the most tokens to generate (-1: until EOS).
-        block_size: tokens verified per pass (default: the drafter's); 1 means plain decoding.
+        block_size: fixes the tokens verified per pass (1 means plain decoding). By default the width is chosen
+            before every pass (`width.WidthPolicy`: expected committed tokens per second, from measured pass times
+            and the acceptance so far), up to the drafter's block size; with a `seed`, from a fixed cost model
+            instead of measured times, so that the seed reproduces the output.
         prefill_step_size: prompt tokens per prefill chunk.
         state: caches to continue from (see `engine.DecodeState`); fresh ones if omitted.
         acceptor: a ready acceptance rule (see `acceptance.make_acceptor`), instead of the sampling keywords.
-        warn_collapse: log one warning (logger "dflash_mlx") when acceptance stays near 1 for many passes.
+        width: a ready width policy (see `width.Width`) instead of the default one; ignored with `block_size`.
+        warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
         sampling: the keywords of `acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
             exactly as sampling the target alone (rejection sampling);
@@ -112,14 +120,21 @@ def stream_generate(
         raise DFlashError(f"give either acceptor= or sampling options ({', '.join(sampling)}), not both")
     target = prepare(model, drafter)
     eos = set(tokenizer.eos_token_ids)
-    stats = AcceptanceStats()
+    adaptive = drafter is not None and block_size is None
+    if adaptive and width is None:
+        # A seed must reproduce the output, so then the widths follow acceptance alone, not the clock.
+        seeded = sampling.get("seed") is not None
+        width = WidthPolicy(drafter.block_size, cost=nominal_cost if seeded else None)
+    stats = AcceptanceStats(adaptive=adaptive)
     cycles = dflash_generate_step(ids, target, drafter, max_tokens=max_tokens, block_size=block_size,
                                   stop_tokens=eos, prefill_step_size=prefill_step_size, state=state,
-                                  acceptor=acceptor)
-    try:
-        yield from _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse)
-    finally:
-        cycles.close()  # rolls a queued verify pass out of the caches right away, not at garbage collection
+                                  acceptor=acceptor, width=width)
+    # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
+    with wired_limit(model, [generation_stream]):
+        try:
+            yield from _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse)
+        finally:
+            cycles.close()  # rolls a queued verify pass out of the caches right away, not at garbage collection
 
 
 def _acceptor(sampling: dict) -> Acceptor:
@@ -166,6 +181,7 @@ def _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse):
                 accepted=cycle.accepted,
                 block_size=cycle.block_size,
                 tau=stats.tau,
+                widths=dict(stats.widths),
                 stats=stats,
             )
             if finish:
@@ -201,7 +217,7 @@ def generate(
         stats = response.stats
         if stats and stats.cycles:
             print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
-                  f"(block size {stats.max_block}); tokens committed per pass:")
+                  f"(widest {stats.max_block}); tokens committed per pass:")
             print(stats.format_histogram())
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text

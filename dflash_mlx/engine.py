@@ -8,19 +8,29 @@ The algorithm and its bookkeeping: docs/algorithm.md; the module map: docs/archi
 
 Host/device overlap: each cycle's whole graph (draft, verify, acceptance) is queued with `mx.async_eval`, and the
 only host sync is one `.tolist()` of the packed acceptance result. The next cycle is queued before the current
-one's tokens are handed to the caller, so detokenizing and printing overlap the device work.
+one's tokens are handed to the caller, so detokenizing and printing overlap the device work. As in mlx-lm, the
+work runs on a dedicated generation stream and MLX's buffer cache is released between prefill chunks and every
+few hundred cycles (both matter on Apple GPUs and cost nothing on the CPU backend).
+
+Verify width: `block_size` fixes it; a `width` policy (`width.WidthPolicy`) chooses it before every cycle from the
+time between consecutive syncs and the acceptance seen so far. Any sequence of widths commits the same tokens.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Generator, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from .acceptance import Acceptor, GreedyAcceptor
 from .errors import DFlashError
 from .target import TargetModel
+from .width import FixedWidth, Width
+
+CLEAR_CACHE_EVERY = 256  # cycles between releases of MLX's buffer cache, as mlx-lm's decode loop does
 
 
 class Drafter(Protocol):
@@ -96,15 +106,18 @@ def prefill(target: TargetModel, drafter: Optional[Drafter], prompt: mx.array, s
     """
     if state.last_token >= 0:
         prompt = mx.concatenate([mx.array([state.last_token], dtype=prompt.dtype), prompt])
-    state.flush_context(drafter)
     logits = None
-    for begin in range(0, prompt.shape[0], step_size):
-        chunk = prompt[begin : begin + step_size][None]
-        logits, hidden = target(chunk, state.target_cache)
-        if drafter is not None:
-            drafter.append_context(hidden, state.draft_cache)
-        mx.eval(logits[:, -1], [c.state for c in state.target_cache],
-                [c.state for c in state.draft_cache] if state.draft_cache else [])
+    with mx.stream(generation_stream):
+        state.flush_context(drafter)
+        for begin in range(0, prompt.shape[0], step_size):
+            if begin:
+                mx.clear_cache()  # a long prompt's activations are not needed again
+            chunk = prompt[begin : begin + step_size][None]
+            logits, hidden = target(chunk, state.target_cache)
+            if drafter is not None:
+                drafter.append_context(hidden, state.draft_cache)
+            mx.eval(logits[:, -1], [c.state for c in state.target_cache],
+                    [c.state for c in state.draft_cache] if state.draft_cache else [])
     return logits[0, -1]
 
 
@@ -139,6 +152,7 @@ def dflash_generate_step(
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
     acceptor: Optional[Acceptor] = None,
+    width: Optional[Width] = None,
     profiler=None,
 ) -> Generator[Cycle, None, None]:
     """DFlash decoding (greedy unless another acceptor is given).
@@ -148,7 +162,10 @@ def dflash_generate_step(
         target: the wrapped target model; its taps must be the drafter's `target_layer_ids`.
         drafter: a bound drafter (see `Drafter`); `None` means plain decoding through the same code.
         max_tokens: tokens to generate at most (-1: no limit).
-        block_size: tokens verified per cycle (1 = plain decoding); defaults to the drafter's.
+        block_size: tokens verified per cycle (1 = plain decoding); defaults to the drafter's unless `width` is
+            given.
+        width: chooses the verify width before each cycle (e.g. `width.WidthPolicy(drafter.block_size)`) and is
+            told each cycle's width, accepted drafts and seconds; ignored when `block_size` is given.
         mask_token_id: the drafter's mask id; defaults to `drafter.mask_token_id`.
         stop_tokens: generation stops after the first of these is committed.
         state: caches to start from (fresh if omitted).
@@ -162,12 +179,14 @@ def dflash_generate_step(
     """
     if drafter is None:
         block_size = 1
-    block_size = block_size or drafter.block_size
-    if block_size < 1:
-        raise DFlashError(f"block_size must be >= 1, got {block_size}")
+    if block_size is not None or width is None:
+        block_size = block_size or drafter.block_size
+        if block_size < 1:
+            raise DFlashError(f"block_size must be >= 1, got {block_size}")
+        width = FixedWidth(block_size)
     if mask_token_id is None and drafter is not None:
         mask_token_id = drafter.mask_token_id
-    if block_size > 1 and mask_token_id is None:
+    if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1):
         raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
     state = state or DecodeState.fresh(target, drafter)
     target.check_rollback_supported(state.target_cache)
@@ -188,29 +207,36 @@ def dflash_generate_step(
     if first in stops or emitted >= limit:
         return
 
-    def launch(width: int) -> _Pending:
-        """Draft, verify and accept one block of `width` tokens, queued on the device."""
+    def launch() -> _Pending:
+        """Draft, verify and accept one block, queued on the device; its width is chosen now."""
         mark("host")
+        w = int(min(width.choose(), limit - emitted))
         head = mx.array([[state.last_token]], dtype=mx.int32)
         flushed, draft, draft_logits = None, mx.zeros((0,), dtype=mx.int32), None
-        if width > 1:
-            flushed = state.flush_context(drafter)
-            block_ids = mx.array([[state.last_token] + [mask_token_id] * (width - 1)], dtype=mx.int32)
-            draft_logits = drafter(block_ids, state.draft_cache)[0]
-            draft = acceptor.propose(draft_logits)
-            mark("draft", draft)
-        logits, hidden = target(mx.concatenate([head, draft[None]], axis=1), state.target_cache)
-        acc, choice = acceptor.verify(draft, draft_logits, logits[0])
-        packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, draft])
+        with mx.stream(generation_stream):
+            if w > 1:
+                flushed = state.flush_context(drafter)
+                block_ids = mx.array([[state.last_token] + [mask_token_id] * (w - 1)], dtype=mx.int32)
+                draft_logits = drafter(block_ids, state.draft_cache)[0]
+                draft = acceptor.propose(draft_logits)
+                mark("draft", draft)
+            logits, hidden = target(mx.concatenate([head, draft[None]], axis=1), state.target_cache)
+            acc, choice = acceptor.verify(draft, draft_logits, logits[0])
+            packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, draft])
         mark("verify", packed, hidden)
         mx.async_eval(packed, hidden)
-        return _Pending(width, packed, logits[0], hidden, flushed)
+        return _Pending(w, packed, logits[0], hidden, flushed)
 
-    pending: Optional[_Pending] = launch(int(min(block_size, limit - emitted)))
+    cycles, synced = 0, time.perf_counter()
+    pending: Optional[_Pending] = launch()
     try:
         while pending is not None:
             cur, pending = pending, None
             tokens, acc = _accept(cur.packed.tolist(), cur.width, stops)  # the cycle's one host sync
+            # The time between two syncs is one cycle's cost (the next cycle was queued right after the last one).
+            now = time.perf_counter()
+            width.record(cur.width, acc, now - synced)
+            synced = now
             mark("host")
             # The target cache holds the whole block; keep the committed prefix (the newest token is the next
             # block's slot 0, so it is not in the cache yet).
@@ -220,8 +246,11 @@ def dflash_generate_step(
             state.commit(cur.hidden[:, :keep], tokens[-1])
             acceptor.observe(tokens)
             emitted += keep
+            cycles += 1
+            if cycles % CLEAR_CACHE_EVERY == 0:
+                mx.clear_cache()
             if tokens[-1] not in stops and emitted < limit:
-                pending = launch(int(min(block_size, limit - emitted)))
+                pending = launch()
             yield Cycle(tokens, acc, cur.width, logits=cur.logits[:keep])
     finally:
         if pending is not None:

@@ -1,6 +1,8 @@
-"""The API's seams on a tiny offline pair: loading and pairing errors, the wrapper built once, `acceptor=`."""
+"""The API's seams on a tiny offline pair: loading and pairing errors, the wrapper built once, `acceptor=`, the
+verify widths it reports and the collapse warning."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -57,3 +59,29 @@ def test_names_resolve_one_way(tmp_path):
     assert loading.dtype_name("bf16") == "bfloat16"
     with pytest.raises(DFlashError, match="--dtype 'int3'"):
         loading.dtype_name("int3")
+
+
+def test_widths_are_chosen_by_default_and_reported(pair):
+    _, (model, tokenizer, drafter) = pair
+    ids = tokenizer.encode("Hello there")
+    adaptive = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=12))
+    fixed = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=12, block_size=3))
+    assert [r.token for r in adaptive] == [r.token for r in fixed]
+    last = adaptive[-1]
+    assert last.stats.adaptive and sum(last.widths.values()) == last.stats.cycles
+    assert set(fixed[-1].widths) <= {1, 2, 3} and fixed[-1].widths.get(3, 0) >= 3 and not fixed[-1].stats.adaptive
+    assert "verify widths (chosen per pass): " in last.stats.format_histogram()
+
+
+@pytest.mark.parametrize("block_size, action", [(None, "falling back to plain decoding; verify widths used: 1 x "),
+                                                (4, "leave --block-size out")])
+def test_collapse_warning_says_what_the_engine_did(pair, caplog, block_size, action):
+    _, (model, tokenizer, drafter) = pair  # the demo drafter has random weights: its drafts are never accepted
+    with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
+        responses = list(api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=80,
+                                             block_size=block_size))
+    messages = [r.getMessage() for r in caplog.records if "acceptance collapsed" in r.getMessage()]
+    assert len(messages) == 1 and action in messages[0], messages
+    if block_size is None:
+        widths = responses[-1].widths
+        assert widths[1] > 0.8 * sum(widths.values())  # it did fall back

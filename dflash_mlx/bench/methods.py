@@ -1,8 +1,9 @@
 """The decoding methods the benchmark compares, each timed the same way on the same prompt.
 
 (a) `PlainMethod`: mlx-lm's `generate_step`. (b) `SpeculativeMethod`: mlx-lm's `speculative_generate_step` with an
-autoregressive draft model. (c) `DFlashMethod`: our engine with a DFlash drafter. (d) the same with the
-`OracleDrafter` fed (a)'s output: every block is accepted, the ceiling of the machinery.
+autoregressive draft model. (c) `DFlashMethod`: our engine with a DFlash drafter, at a fixed verify width or with
+the width chosen every cycle (`adaptive`, the default of `generate`). (d) the same with the `OracleDrafter` fed
+(a)'s output: every block is accepted, the ceiling of the machinery.
 
 Timing: every method first caches the prompt minus its last token (untimed), then decodes; decode time runs from
 the call that feeds the last prompt token to the moment the last new token is known, so it covers exactly the N
@@ -26,6 +27,7 @@ from ..acceptance import make_acceptor
 from ..engine import DecodeState, dflash_generate_step, prefill
 from ..oracle import OracleDrafter
 from ..target import TargetModel
+from ..width import WidthPolicy
 
 PHASES = ("draft", "verify", "rollback", "host")
 PREFILL_STEP = 2048
@@ -176,15 +178,20 @@ class SpeculativeMethod(Method):
 
 
 class DFlashMethod(Method):
-    """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None."""
+    """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None.
+
+    `adaptive`: the width is chosen every cycle, up to `block`; else every cycle verifies `block` tokens.
+    """
 
     def __init__(self, target: TargetModel, drafter, block: int, temp: float = 0.0,
-                 mask_token_id: Optional[int] = None):
+                 mask_token_id: Optional[int] = None, adaptive: bool = False, label: Optional[str] = None):
         self.oracle = drafter is None
         self.kind = "oracle" if self.oracle else "dflash"
-        super().__init__(f"{'oracle' if self.oracle else 'dflash'} B={block}", block)
+        label = label or self.kind
+        super().__init__(f"{label} adaptive" if adaptive else f"{label} B={block}", block)
         self.target, self.drafter, self.temp = target, drafter, temp
         self.mask_token_id = mask_token_id
+        self.adaptive = adaptive
 
     def start(self, ids, max_tokens, stops, reference, profiler, seed):
         drafter = self.drafter
@@ -197,9 +204,11 @@ class DFlashMethod(Method):
         if len(ids) > 1:
             prefill(self.target, drafter, mx.array(ids[:-1], dtype=mx.int32), state, PREFILL_STEP)
         acceptor = make_acceptor(temp=self.temp, seed=seed)  # rejection sampling when temp > 0
+        fixed, width = (None, WidthPolicy(self.block)) if self.adaptive else (self.block, None)
         cycles = dflash_generate_step(mx.array(ids[-1:], dtype=mx.int32), self.target, drafter,
-                                      max_tokens=max_tokens, block_size=self.block, mask_token_id=self.mask_token_id,
-                                      stop_tokens=stops, state=state, acceptor=acceptor, profiler=profiler)
+                                      max_tokens=max_tokens, block_size=fixed, mask_token_id=self.mask_token_id,
+                                      stop_tokens=stops, state=state, acceptor=acceptor, width=width,
+                                      profiler=profiler)
         return self._passes(cycles)
 
     @staticmethod

@@ -35,6 +35,8 @@ class BenchConfig:
     num_prompts: Optional[int] = 10
     max_tokens: int = 128
     block_sizes: List[int] = field(default_factory=list)  # empty: the drafter's (16 for the oracle alone)
+    adaptive: bool = True  # also run DFlash (and the oracle) with the width chosen every cycle, up to the widest
+    random_draft: bool = False  # also run a drafter of the same shape with random weights (adaptive only)
     num_draft_tokens: List[int] = field(default_factory=lambda: [3])
     temp: float = 0.0
     seed: int = 0
@@ -59,6 +61,8 @@ class BenchConfig:
             self.draft = shipped_drafter_for(self.model)
         if self.draft is None and self.ar_draft is None and not self.oracle:
             raise DFlashError("nothing to compare with plain decoding: give --draft, --ar-draft or --oracle")
+        if self.random_draft and self.draft is None:
+            raise DFlashError("--random-draft copies the shape of a drafter: give --draft too")
 
 
 def _load_ar_draft(name: str):
@@ -83,7 +87,7 @@ def _environment() -> Dict[str, str]:
 
 
 def _build_methods(cfg: BenchConfig, model):
-    from ..drafter_io import load_drafter
+    from ..drafter_io import build_drafter, load_drafter
     from ..target import TargetModel
 
     plain = PlainMethod(model, cfg.temp)
@@ -93,14 +97,24 @@ def _build_methods(cfg: BenchConfig, model):
     if cfg.ar_draft:
         ar_model, _ = _load_ar_draft(cfg.ar_draft)
         others += [SpeculativeMethod(model, ar_model, k, cfg.temp) for k in cfg.num_draft_tokens]
+    widest = max(blocks)
     if drafter is not None:
         target = prepare(model, drafter, probe=True)
+        if cfg.adaptive:
+            others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
         others += [DFlashMethod(target, drafter, b, cfg.temp) for b in blocks]
+        if cfg.random_draft:
+            noise = build_drafter(drafter.config)  # same shape, random weights: acceptance collapses
+            mx.eval(noise.parameters())
+            others.append(DFlashMethod(prepare(model, noise), noise, widest, cfg.temp, adaptive=True,
+                                       label="random"))
     oracles: List[Method] = []
     if cfg.oracle:
         bare = TargetModel(model)  # no taps: the oracle reads no features
         mask = drafter.config.mask_token_id if drafter is not None else None
-        oracles = [DFlashMethod(bare, None, b, cfg.temp, mask_token_id=mask) for b in blocks]
+        if cfg.adaptive:
+            oracles.append(DFlashMethod(bare, None, widest, cfg.temp, mask_token_id=mask, adaptive=True))
+        oracles += [DFlashMethod(bare, None, b, cfg.temp, mask_token_id=mask) for b in blocks]
     return plain, oracles, others, blocks
 
 
