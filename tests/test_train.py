@@ -294,7 +294,7 @@ def test_train_command_end_to_end(tmp_path):
     (data / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
     out = tmp_path / "drafter"
     argv = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "4",
-            "--block-size", "4", "--num-layers", "2", "--anchors", "8", "--seq-len", "64", "--eval-prompts", "2",
+            "--block-size", "4", "--num-layers", "2", "--anchors", "8", "--batch-blocks", "16", "--seq-len", "64", "--eval-prompts", "2",
             "--eval-every", "2", "--eval-tokens", "8", "--checkpoint-every", "2", "--draft-vocab", "128",
             "--kl", "0.3"]
     assert main(argv) == 0

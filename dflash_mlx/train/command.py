@@ -2,6 +2,12 @@
 
     dflash-mlx train --target smollm2-135m --data ~/code/ --out my-drafter --steps 2000
 
+Defaults follow the public DFlash recipe (see `recipe_rows` in card.py): 5 draft layers tapping target layers spread
+from 1 to L-3 ([1, 6, 11, 16, 21] on a 24-layer target), block 16 with γ 7, 128 anchors per 512-token row,
+gradient accumulation to 512 blocks per optimizer step, AdamW lr 6e-4 with 4% warmup and cosine decay, clip 1.0;
+the target's embedding and head are borrowed, never trained. Training runs on MLX's default device (an Apple or
+NVIDIA GPU when the installed MLX has one, see device.py).
+
 Stages, each resumable: (1) read and pack the data (optionally the target answers every prompt); (2) run the
 frozen target once over it and cache the tapped features on disk; (3) train (checkpoints, `--resume`); (4) write
 the drafter (`config.json` + `model.safetensors`, as `convert` writes) and a model card README.md into --out.
@@ -33,14 +39,17 @@ class TrainArgs:
     cache: Optional[str] = None  # default: OUT/features
     steps: int = 2000
     lr: float = 6e-4
-    warmup: Optional[int] = None
+    warmup: Optional[int] = None  # default: 4% of the steps
     weight_decay: float = 0.01
+    grad_clip: float = 1.0
     block_size: int = 16
     num_layers: int = 5
     target_layers: Optional[List[int]] = None
     intermediate_size: Optional[int] = None
-    anchors: int = 32
+    anchors: int = 128
     rows: int = 1
+    batch_blocks: int = 512
+    labels: str = "data"
     seq_len: int = 512
     gamma: Optional[float] = None
     kl: float = 0.0
@@ -56,15 +65,18 @@ class TrainArgs:
     checkpoint_every: int = 200
     seed: int = 0
     dtype: str = "fp32"
+    compile: bool = True
+    max_minutes: Optional[float] = None  # stop (checkpointed, resumable) after this much training time
     progress: bool = True
 
     def train_config(self):
         from .trainer import TrainConfig
 
         return TrainConfig(steps=self.steps, lr=self.lr, warmup=self.warmup, weight_decay=self.weight_decay,
-                           rows_per_step=self.rows, anchors=self.anchors, gamma=self.gamma, kl=self.kl,
-                           seed=self.seed, checkpoint_every=self.checkpoint_every, eval_every=self.eval_every,
-                           eval_tokens=self.eval_tokens)
+                           grad_clip=self.grad_clip, rows_per_step=self.rows, anchors=self.anchors,
+                           batch_blocks=self.batch_blocks, gamma=self.gamma, kl=self.kl, labels=self.labels,
+                           compile=self.compile, seed=self.seed, checkpoint_every=self.checkpoint_every,
+                           eval_every=self.eval_every, eval_tokens=self.eval_tokens)
 
     def command_line(self) -> str:
         """The `dflash-mlx train` invocation of these options (defaults left out)."""
@@ -72,13 +84,15 @@ class TrainArgs:
         defaults = TrainArgs(target="", out="")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "progress" or (f.name not in ("target", "out") and value == getattr(defaults, f.name)):
+            if f.name in ("progress", "max_minutes") or (f.name not in ("target", "out") and value == getattr(defaults, f.name)):
                 continue
             flag = "--" + f.name.replace("_", "-")
             if f.name == "data":
                 parts += [x for v in value for x in ("--data", shlex.quote(v))]
             elif isinstance(value, list):
                 parts += [flag, ",".join(map(str, value))]
+            elif isinstance(value, bool):
+                parts += [flag if value else "--no-" + flag[2:]]
             else:
                 parts += [flag, shlex.quote(str(value))]
         return " ".join(parts)
@@ -162,7 +176,7 @@ def pick_mask_token(tokenizer, target, tokens: np.ndarray) -> int:
 
 # -- the run -------------------------------------------------------------------------------------------------------
 def _fingerprint(args: TrainArgs, target_ref: str, taps: List[int], feature_dim: int) -> Dict:
-    return dict(target=target_ref, taps=list(taps), feature_dim=feature_dim, seq_len=args.seq_len,
+    return dict(format=2, target=target_ref, taps=list(taps), feature_dim=feature_dim, seq_len=args.seq_len,
                 topk=args.kl_topk, data=list(args.data), max_data_tokens=args.max_data_tokens,
                 regenerate=args.regenerate, eval_prompts=args.eval_prompts, seed=args.seed)
 
@@ -183,6 +197,10 @@ def prepare_cache(args: TrainArgs, model, tokenizer, target, target_ref: str, ta
                             batch_size=args.gen_batch, progress=args.progress)
         log(f"data: {data.summary['documents']} documents, {data.tokens.size} tokens in {data.tokens.shape[0]} rows "
             f"of {args.seq_len}, {data.summary['trainable_tokens']} trainable; {len(data.eval_prompts)} held out")
+        if data.summary.get("generation"):
+            g = data.summary["generation"]
+            log(f"target answers: {g['tokens']} tokens in {g['seconds']:.0f} s ({g['tok_s']:.1f} tok/s, batches of "
+                f"{args.gen_batch})")
         cache = FeatureCache.create(args.cache_dir, data, feature_dim=feature_dim, topk=args.kl_topk,
                                     fingerprint=fingerprint)
     stats = None
@@ -207,7 +225,17 @@ def default_taps(num_target_layers: int, count: int) -> List[int]:
     return taps
 
 
-def _setup(args: TrainArgs, resume: bool, log):
+def _saved_args(raw: Dict, overrides: Dict) -> TrainArgs:
+    """The options a checkpoint was trained with (older runs: their implicit defaults), with `overrides`."""
+    raw = dict(raw)
+    if "batch_blocks" not in raw:  # a run from before gradient accumulation: one micro-batch per step
+        raw["batch_blocks"] = raw.get("rows", 1) * raw.get("anchors", 32)
+        if raw.get("warmup") is None:
+            raw["warmup"] = max(1, raw.get("steps", 2000) // 20)
+    return TrainArgs(**dict(raw, **{k: v for k, v in overrides.items() if v is not None}))
+
+
+def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None):
     """Target, feature cache, bound drafter and trainer (restored from the latest checkpoint with `resume`)."""
     import mlx.core as mx
 
@@ -215,6 +243,7 @@ def _setup(args: TrainArgs, resume: bool, log):
     from ..config import DFlashConfig
     from ..drafter_io import build_drafter
     from ..target import TargetModel
+    from .device import features_on_device, pick_device
     from .trainer import Trainer, latest_checkpoint
     from .vocab import head_rows, maps, select_vocab
 
@@ -229,7 +258,7 @@ def _setup(args: TrainArgs, resume: bool, log):
             raise DFlashError(f"nothing to resume in '{out}' (no checkpoint yet); run the same command without "
                               "--resume: an interrupted feature extraction continues by itself")
         saved = json.loads((checkpoint / "trainer.json").read_text())
-        args = TrainArgs(**dict(saved["args"], progress=args.progress))
+        args = _saved_args(saved["args"], dict(overrides or {}, progress=args.progress))
         log(f"resuming {checkpoint} (step {saved['step']} of {args.steps}) with its saved options")
 
     model, tokenizer, target_ref = load_target(args.target)
@@ -248,28 +277,49 @@ def _setup(args: TrainArgs, resume: bool, log):
     if saved is None:
         drafter.norm.weight = output_scale(target, drafter.norm.weight)
     if config.draft_vocab_size and saved is None:  # on resume the head and d2t come with the checkpoint
-        ids = select_vocab(cache.tokens, cache.trainable, config.draft_vocab_size, config.vocab_size,
+        labels, mask = np.asarray(cache.tokens), np.asarray(cache.trainable)
+        if args.labels == "target" and cache.argmax() is not None:
+            # The tokens trained on are the target's choices: argmax[p] labels position p + 1.
+            labels, mask = np.asarray(cache.argmax())[:, :-1], mask[:, 1:]
+        ids = select_vocab(labels, mask, config.draft_vocab_size, config.vocab_size,
                            always=getattr(tokenizer, "eos_token_ids", None) or [])
         drafter.d2t = mx.array(maps(ids, config.vocab_size)[0])
         drafter.lm_head.weight = head_rows(target, ids)
     mx.eval(drafter.parameters())
     target = prepare(model, drafter)  # checks the pair, taps the drafter's layers, binds embedding and head
-    trainer = Trainer(drafter, cache, args.train_config())
+    choice = pick_device()
+    nbytes = cache.rows * cache.seq_len * cache.feature_dim * 2
+    resident = features_on_device(nbytes, choice)
+    log(f"device: {choice.describe()}; feature cache {nbytes / 2 ** 30:.2f} GiB "
+        f"{'kept on the device' if resident else 'memory-mapped on the host'}")
+    trainer = Trainer(drafter, cache, args.train_config(), device_features=resident)
+    trainer.device = choice.describe()
     if checkpoint is not None:
         trainer.load(checkpoint)
     return args, tokenizer, target, drafter, trainer, cache, extraction
 
 
-def run(args: TrainArgs, *, resume: bool = False, log=print) -> Path:
-    """Train a drafter as `args` says; returns the output directory (a loadable drafter)."""
+def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int] = None,
+        max_minutes: Optional[float] = None) -> Path:
+    """Train a drafter as `args` says; returns the output directory (a loadable drafter).
+
+    With `resume`, the run's saved options apply; `steps` and `max_minutes` (if given) replace the saved ones, so a
+    bounded run can be continued and extended session after session.
+    """
+    import time
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from tqdm import tqdm
 
     from ..drafter_io import build_drafter, save_drafter
+    from .card import write_card
     from .trainer import held_out_tau
 
-    args, tokenizer, target, drafter, trainer, cache, extraction = _setup(args, resume, log)
+    overrides = dict(steps=steps, max_minutes=max_minutes)
+    if not resume:
+        args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if v is not None})
+    args, tokenizer, target, drafter, trainer, cache, extraction = _setup(args, resume, log, overrides)
     out = Path(args.out)
     stops = list(getattr(tokenizer, "eos_token_ids", None) or [])
 
@@ -277,7 +327,8 @@ def run(args: TrainArgs, *, resume: bool = False, log=print) -> Path:
         if not cache.eval_prompts:
             return None
         r = held_out_tau(target, drafter, cache.eval_prompts, max_tokens=args.eval_tokens, stop_tokens=stops)
-        trainer.history.append({"step": trainer.step, "tau": round(r["tau"], 4), "passes": r["passes"]})
+        trainer.history.append({"step": trainer.step, "slots": trainer.predicted, "flops": trainer.flops,
+                                "tau": round(r["tau"], 4), "passes": r["passes"]})
         return r["tau"]
 
     def checkpoint():
@@ -287,9 +338,17 @@ def run(args: TrainArgs, *, resume: bool = False, log=print) -> Path:
     if trainer.step == 0 and not trainer.history:
         tau = evaluate()
         log(f"held-out τ before training: {tau}")
+    cfg = trainer.config
+    log(f"training: {cfg.accum} micro-batch(es) of {cfg.rows_per_step} row(s) x {cfg.anchors} anchors = "
+        f"{cfg.accum * cfg.micro_blocks} blocks per step, {trainer.flops_per_micro * cfg.accum / 1e12:.2f} TFLOP "
+        f"per step, labels from the {cfg.labels}")
     bar = tqdm(total=args.steps, initial=trainer.step, desc="training", unit="step", disable=not args.progress)
     loss_ema = None
+    started, slots0, elapsed0 = time.perf_counter(), trainer.predicted, trainer.elapsed
     while trainer.step < args.steps:
+        if args.max_minutes is not None and time.perf_counter() - started > 60 * args.max_minutes:
+            log(f"--max-minutes {args.max_minutes} reached at step {trainer.step}; continue with --resume")
+            break
         m = trainer.train_step()
         loss_ema = m["loss"] if loss_ema is None else 0.95 * loss_ema + 0.05 * m["loss"]
         if args.eval_every and trainer.step % args.eval_every == 0:
@@ -297,12 +356,14 @@ def run(args: TrainArgs, *, resume: bool = False, log=print) -> Path:
         if args.checkpoint_every and trainer.step % args.checkpoint_every == 0:
             checkpoint()
         held = "-" if tau is None else f"{tau:.2f}"
+        rate = (trainer.predicted - slots0) / max(trainer.elapsed - elapsed0, 1e-9)
         bar.set_postfix_str(f"loss {loss_ema:.3f} acc1 {m['acc1']:.2f} train-τ {m['tau']:.2f} held-out τ {held} "
-                            f"{trainer.predicted / trainer.elapsed:.0f} pred/s "
-                            f"{trainer.context_tokens / trainer.elapsed:.0f} ctx tok/s", refresh=False)
+                            f"{rate:.0f} slots/s", refresh=False)
         bar.update(1)
     bar.close()
-    if not trainer.history or trainer.history[-1]["step"] != trainer.step:
+    if trainer.history and trainer.history[-1]["step"] == trainer.step:
+        tau = trainer.history[-1]["tau"]
+    else:
         tau = evaluate()
     checkpoint()
     export = build_drafter(drafter.config)  # a copy to cast: the checkpoint keeps float32
@@ -310,57 +371,10 @@ def run(args: TrainArgs, *, resume: bool = False, log=print) -> Path:
     export.set_dtype(getattr(mx, dtype_name(args.dtype)))
     save_drafter(export, out)
     write_card(out, args, drafter.config, trainer, cache, extraction)
-    log(f"{trainer.step} steps in {trainer.elapsed:.0f} s; held-out τ {tau}; wrote {out}")
+    rate = (trainer.predicted - slots0) / max(trainer.elapsed - elapsed0, 1e-9)
+    log(f"{trainer.step} steps, {trainer.predicted} slots in {trainer.elapsed:.0f} s ({rate:.0f} slots/s this "
+        f"session); held-out τ {tau}; wrote {out}")
     return out
-
-
-def write_card(out: Path, args: TrainArgs, config, trainer, cache, extraction: Optional[Dict]) -> None:
-    """README.md: what the drafter is for, what it was trained on, how long, and the held-out τ."""
-    from mlx.utils import tree_flatten
-
-    params = sum(v.size for _, v in tree_flatten(trainer.drafter.trainable_parameters()))
-    d = cache.meta.get("data", {})
-    ext = cache.meta.get("extraction") or extraction or {}
-    vocab = f"draft vocab {config.draft_vocab_size}" if config.draft_vocab_size else "full vocab"
-    regenerated = ", answers generated by the target" if d.get("regenerated") else ""
-    taus = "\n".join(f"| {h['step']} | {h['tau']:.3f} | {h['passes']} |" for h in trainer.history)
-    rows = [
-        ("target", f"`{args.target}` ({config.num_target_layers} layers, hidden {config.hidden_size}, "
-                   f"vocab {config.vocab_size})"),
-        ("drafter", f"{config.num_hidden_layers} layers, block size {config.block_size}, taps "
-                    f"{config.target_layer_ids}, mask token {config.mask_token_id}, {vocab}, "
-                    f"{params / 1e6:.1f} M trained parameters, saved as {args.dtype}"),
-        ("data", f"{', '.join(d.get('sources', args.data))}: {d.get('files', '?')} files, "
-                 f"{d.get('documents', '?')} documents, {cache.rows} rows x {cache.seq_len} tokens, "
-                 f"{d.get('trainable_tokens', '?')} trainable{regenerated}; {len(cache.eval_prompts)} held-out "
-                 "documents for τ"),
-        ("features", f"{ext.get('tokens', '?')} tokens in {ext.get('seconds', 0):.0f} s"),
-        ("training", f"{trainer.step} steps, {args.rows} row(s) x {args.anchors} anchors per step, lr {args.lr} "
-                     f"(warmup + cosine), γ {trainer.gamma:.2f}, KL weight {args.kl}; {trainer.elapsed:.0f} s "
-                     f"({trainer.elapsed / 3600:.2f} h); {trainer.context_tokens} context tokens, "
-                     f"{trainer.predicted} predicted slots seen"),
-    ]
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    text = f"""# DFlash drafter for `{Path(args.target).name}`
-
-Trained with `dflash-mlx train`. Load it with `dflash_mlx.load(TARGET, drafter=THIS_DIR)` or
-`dflash-mlx generate --model TARGET --draft THIS_DIR`.
-
-| | |
-|---|---|
-{table}
-
-Held-out τ (greedy DFlash with the engine's own loop, {args.eval_tokens} new tokens per prompt):
-
-| step | τ | verify passes |
-|---|---|---|
-{taus}
-
-Command:
-
-    {args.command_line()}
-"""
-    (Path(out) / "README.md").write_text(text)
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------------
@@ -380,17 +394,23 @@ def train_command(
                                                            "or globs (text/code, or .jsonl chats); repeatable."),
     out: Path = typer.Option(..., "--out", "-o", help="Output drafter directory."),
     cache: Optional[Path] = typer.Option(None, "--cache", help="Feature cache dir (default OUT/features)."),
-    steps: int = typer.Option(2000, "--steps", help="Optimizer steps."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default 2000; with "
+                                                    "--resume: extend or shorten the saved run)."),
     lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, warmup + cosine)."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Warmup steps (default 5%)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Warmup steps (default 4% of --steps)."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the gradient norm (0: off)."),
     block_size: int = typer.Option(16, "--block-size", help="Block size B."),
     num_layers: int = typer.Option(5, "--num-layers", help="Draft layers (also the number of taps)."),
     target_layers: Optional[str] = typer.Option(None, "--target-layers", help="Tapped target layers, "
                                                               "e.g. 1,9,17 (default: spread evenly)."),
     intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="Draft MLP "
                                                                   "width (default: the target's)."),
-    anchors: int = typer.Option(32, "--anchors", help="Blocks per row per step."),
-    rows: int = typer.Option(1, "--rows", help="Rows (packed sequences) per step."),
+    anchors: int = typer.Option(128, "--anchors", help="Blocks (random anchors) per row."),
+    rows: int = typer.Option(1, "--rows", help="Rows (packed sequences) per micro-batch."),
+    batch_blocks: int = typer.Option(512, "--batch-blocks", help="Blocks per optimizer step "
+                                                 "(gradient accumulation over micro-batches)."),
+    labels: str = typer.Option("data", "--labels", help="Slot labels: 'data' (the text's next tokens) "
+                                           "or 'target' (the target's own argmax there: no --regenerate needed)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per row (context length trained on)."),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Slot weight decay γ (default 7 for "
                                                         "B=16, 5 for 10, 4 for 8)."),
@@ -413,16 +433,19 @@ def train_command(
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Checkpoint every N steps."),
     seed: int = typer.Option(0, "--seed", help="Seed for data order, anchors and initialization."),
     dtype: str = typer.Option("fp32", "--dtype", help="Saved drafter dtype: fp32, bf16, fp16."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="Compile the training step."),
+    max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop after this much "
+                                                              "training (checkpointed; continue with --resume)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out (its saved "
                                               "options apply)."),
 ):
     """Train a DFlash drafter for a target: cache its features once, then train (resumable)."""
     dtype_name(dtype)  # a bad --dtype fails before anything loads
     args = TrainArgs(target=target, out=str(out), data=list(data or []), cache=str(cache) if cache else None,
-                     steps=steps, lr=lr, warmup=warmup, block_size=block_size, num_layers=num_layers,
+                     steps=steps or 2000, lr=lr, warmup=warmup, grad_clip=grad_clip, block_size=block_size, num_layers=num_layers,
                      target_layers=_ints(target_layers), intermediate_size=intermediate_size, anchors=anchors,
-                     rows=rows, seq_len=seq_len, gamma=gamma, kl=kl, kl_topk=kl_topk, draft_vocab=draft_vocab,
+                     rows=rows, batch_blocks=batch_blocks, labels=labels, seq_len=seq_len, gamma=gamma, kl=kl, kl_topk=kl_topk, draft_vocab=draft_vocab,
                      mask_token_id=mask_token_id, max_data_tokens=max_data_tokens, regenerate=regenerate,
                      gen_batch=gen_batch, eval_prompts=eval_prompts, eval_every=eval_every, eval_tokens=eval_tokens,
-                     checkpoint_every=checkpoint_every, seed=seed, dtype=dtype)
-    run(args, resume=resume)
+                     checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, compile=compile)
+    run(args, resume=resume, steps=steps, max_minutes=max_minutes)

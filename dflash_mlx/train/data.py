@@ -214,22 +214,31 @@ def read_documents(tokenizer, files: Sequence[Path], *, max_tokens: Optional[int
 
 # -- the target answers the prompts itself ---------------------------------------------------------------------------
 def regenerate(model, tokenizer, docs: List[Document], *, max_tokens: int = 256, batch_size: int = 16,
-               progress: bool = True) -> List[Document]:
-    """Replace every document by its prompt plus the target's greedy answer (trainable), batched."""
+               progress: bool = True, stats: Optional[Dict[str, float]] = None) -> List[Document]:
+    """Replace every document by its prompt plus the target's greedy answer (trainable), in batches of
+    `batch_size` prompts decoded together (mlx-lm's `batch_generate`). `stats` receives tokens, seconds, tok/s."""
+    import time
+
     from mlx_lm.generate import batch_generate
     from tqdm import tqdm
 
     eos = eos_id(tokenizer)
     out: List[Document] = []
+    generated, tic = 0, time.perf_counter()
     with tqdm(total=len(docs), desc="target answers", unit="doc", disable=not progress) as bar:
         for begin in range(0, len(docs), batch_size):
             batch = docs[begin : begin + batch_size]
             result = batch_generate(model, tokenizer, [d.prompt for d in batch], max_tokens=max_tokens,
                                     return_token_ids=True)
             for d, ids in zip(batch, result.token_ids):
+                generated += len(ids)
                 ids = list(ids) + ([eos] if len(ids) < max_tokens else [])  # stopped at EOS: keep it as a label
                 out.append(Document(d.prompt + ids, [0] * len(d.prompt) + [1] * len(ids), d.prompt, d.chat))
             bar.update(len(batch))
+            bar.set_postfix_str(f"{generated / (time.perf_counter() - tic):.1f} tok/s", refresh=False)
+    seconds = time.perf_counter() - tic
+    if stats is not None:
+        stats.update(tokens=generated, seconds=round(seconds, 2), tok_s=round(generated / max(seconds, 1e-9), 2))
     return out
 
 
@@ -269,8 +278,10 @@ def prepare_data(tokenizer, specs: Sequence[str], *, seq_len: int, max_tokens: O
     if regenerate_tokens > 0:
         if model is None:
             raise DFlashError("regenerating responses needs the target model")
+        gen: Dict[str, float] = {}
         train_docs = regenerate(model, tokenizer, train_docs, max_tokens=regenerate_tokens, batch_size=batch_size,
-                                progress=progress)
+                                progress=progress, stats=gen)
+        counts["generation"] = gen
     order = np.random.default_rng(seed + 2).permutation(len(train_docs))
     tokens, trainable = pack([train_docs[i] for i in order], seq_len)
     summary = dict(counts, documents=len(train_docs), eval_documents=len(eval_docs), rows=int(tokens.shape[0]),

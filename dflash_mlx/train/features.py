@@ -6,6 +6,7 @@ Layout of a cache directory:
     tokens.npy       [N, S] int32 token rows          trainable.npy  [N, S] uint8 label mask
     eval.json        held-out prompts (token ids) for τ
     features.f16     [N, S, n*H] float16, memory-mapped (tapped layer outputs, concatenated as the drafter reads them)
+    argmax.i32       [N, S] int32: the target's greedy next token after each position (`--labels target`)
     topk_ids.i32     [N, S, k] int32  \\  the target's top-k next-token log-probs at each position
     topk_logp.f16    [N, S, k] float16 /  (k = 0: not stored)
     progress.json    {"rows_done": n}: rows [0, n) are final; extraction resumes at row n
@@ -77,6 +78,13 @@ class FeatureCache:
     def features(self, mode: str = "r") -> np.memmap:
         return self._memmap("features.f16", np.float16, self.feature_dim, mode)
 
+    def argmax(self, mode: str = "r") -> Optional[np.memmap]:
+        """[N, S] the target's argmax at each position (it predicts the token at the next position), or None for a
+        cache written before it was stored."""
+        if int(self.meta.get("format", 1)) < 2:
+            return None
+        return np.memmap(self.path / "argmax.i32", dtype=np.int32, mode=mode, shape=(self.rows, self.seq_len))
+
     def teacher(self, mode: str = "r"):
         """(ids, logp) memmaps of the target's top-k, or None if not stored."""
         if not self.topk:
@@ -95,9 +103,10 @@ class FeatureCache:
         np.save(path / "trainable.npy", data.trainable.astype(np.uint8))
         _write_json(path / "eval.json", data.eval_prompts)
         meta = dict(rows=int(rows), seq_len=int(seq_len), feature_dim=int(feature_dim), topk=int(topk),
-                    fingerprint=fingerprint, data=data.summary, format=1)
+                    fingerprint=fingerprint, data=data.summary, format=2)
         cache = cls(path, meta)
         cache.features("w+").flush()
+        cache.argmax("w+").flush()
         if topk:
             for m in cache.teacher("w+"):
                 m.flush()
@@ -134,6 +143,7 @@ class FeatureCache:
         start = self.rows_done
         end = self.rows if stop_after is None else min(self.rows, start + stop_after)
         feats = self.features("r+")
+        greedy = self.argmax("r+")
         teacher = self.teacher("r+")
         S, k = self.seq_len, self.topk
         tic = time.perf_counter()
@@ -147,7 +157,7 @@ class FeatureCache:
                     raise DFlashError(f"target features have width {hidden.shape[-1]}, the cache expects "
                                       f"{self.feature_dim}; pass another --cache")
                 hidden = mx.clip(hidden, -FP16_MAX, FP16_MAX).astype(mx.float16)
-                out = [hidden]
+                out = [hidden, mx.argmax(logits, axis=-1).astype(mx.int32)]
                 if k:
                     logits = logits.astype(mx.float32)
                     top = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
@@ -155,9 +165,12 @@ class FeatureCache:
                     out += [top.astype(mx.int32), logp.astype(mx.float16)]
                 mx.eval(out)
                 feats[row:stop] = np.asarray(out[0])
+                if greedy is not None:  # a cache begun by an older version has no argmax file
+                    greedy[row:stop] = np.asarray(out[1])
+                    greedy.flush()
                 if k:
-                    teacher[0][row:stop] = np.asarray(out[1])
-                    teacher[1][row:stop] = np.asarray(out[2])
+                    teacher[0][row:stop] = np.asarray(out[2])
+                    teacher[1][row:stop] = np.asarray(out[3])
                     teacher[0].flush()
                     teacher[1].flush()
                 feats.flush()

@@ -1,8 +1,14 @@
-"""The training loop: batches of anchored blocks from the feature cache, AdamW with warmup + cosine, checkpoints
-that resume bit for bit, and held-out τ from the real decoding loop.
+"""The training loop: batches of anchored blocks from the feature cache, AdamW with warmup + cosine, gradient
+accumulation to an effective batch of blocks, a compiled step, checkpoints that resume bit for bit, and held-out τ
+from the real decoding loop.
 
-Reproducibility: the batch of step t is drawn from `np.random.default_rng([seed, t])`, and a checkpoint holds the
-parameters, the optimizer state (moments, step) and the step, so a resumed run continues exactly as an
+One optimizer step = `accum` micro-batches of `rows_per_step` rows x `anchors` blocks. The target's features are
+read from the cache (computed once, reused every epoch); anchors are drawn afresh for every micro-batch, so each
+pass over the data trains on new blocks. A micro-batch is built with array operations only (per row, never per
+slot) while the device still computes the previous one.
+
+Reproducibility: micro-batch i of step t is drawn from `np.random.default_rng([seed, t, i])`, and a checkpoint
+holds the parameters, the optimizer state (moments, step) and the step, so a resumed run continues exactly as an
 uninterrupted one. Nothing else is random (no dropout).
 """
 
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -21,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..drafter import DFlashDrafter
 from ..errors import DFlashError
@@ -31,20 +38,24 @@ from .loss import block_loss, default_gamma, slot_weights
 from .masks import sample_anchors
 
 STATE_DIR = "train_state"
+LABELS = ("data", "target")
 
 
 @dataclass
 class TrainConfig:
     steps: int = 2000
     lr: float = 6e-4
-    warmup: Optional[int] = None  # default: 5% of the steps
+    warmup: Optional[int] = None  # default: 4% of the steps
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    rows_per_step: int = 1
-    anchors: int = 32
+    rows_per_step: int = 1  # rows per micro-batch
+    anchors: int = 32  # blocks per row
+    batch_blocks: Optional[int] = None  # blocks per optimizer step (accumulated); None: one micro-batch
     gamma: Optional[float] = None  # default: default_gamma(block_size)
     kl: float = 0.0
+    labels: str = "data"  # "data": the next tokens of the text; "target": the target's own argmax there
+    compile: bool = True
     seed: int = 0
     checkpoint_every: int = 200
     eval_every: int = 200
@@ -52,11 +63,22 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.warmup is None:
-            self.warmup = max(1, self.steps // 20)
+            self.warmup = max(1, round(0.04 * self.steps))
         if not 0 <= self.kl <= 1:
             raise DFlashError(f"--kl is a mixing weight between 0 and 1, got {self.kl}")
         if self.steps < 1 or self.anchors < 1 or self.rows_per_step < 1:
             raise DFlashError("--steps, --anchors and --rows must be positive")
+        if self.labels not in LABELS:
+            raise DFlashError(f"--labels {self.labels!r} is not one of {', '.join(LABELS)}")
+
+    @property
+    def micro_blocks(self) -> int:
+        return self.rows_per_step * self.anchors
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches per optimizer step."""
+        return max(1, math.ceil((self.batch_blocks or 0) / self.micro_blocks))
 
     @classmethod
     def from_dict(cls, raw: Dict) -> "TrainConfig":
@@ -75,14 +97,33 @@ def lr_schedule(config: TrainConfig):
     return optim.join_schedules([optim.linear_schedule(config.lr / warmup, config.lr, warmup), decay], [warmup])
 
 
+def step_flops(drafter: DFlashDrafter, rows: int, anchors: int, seq_len: int) -> float:
+    """Training FLOPs of one micro-batch (multiply-adds x 2): forward + backward of the trained matmuls (x3), the
+    frozen head's forward and input gradient (x2), and the fusion `fc` (forward + weight gradient, x2)."""
+    c = drafter.config
+    H, B, L = c.hidden_size, c.block_size, c.num_hidden_layers
+    hd = c.head_dim or H // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    blocks = rows * anchors * B  # block tokens
+    vocab = c.draft_vocab_size or c.vocab_size
+    per_layer = (blocks * (H * (q + 2 * kv) + q * H + 3 * H * c.intermediate_size)
+                 + rows * seq_len * H * 2 * kv  # context keys and values
+                 + blocks * c.num_attention_heads * hd * (seq_len + B) * 2)  # scores and weighted values
+    head = rows * anchors * (B - 1) * H * vocab
+    fc = rows * seq_len * c.num_taps * H * H
+    return 2.0 * (3 * L * per_layer + 2 * head + 2 * fc)
+
+
 class Trainer:
     """Trains a bound `DFlashDrafter` on a complete `FeatureCache`.
 
     With a reduced draft vocabulary, labels are mapped to draft ids through the drafter's `d2t`; labels outside
-    it get no loss (the drafter could never propose them).
+    it get no loss (the drafter could never propose them). `device_features` keeps the whole feature cache in
+    device memory (see `device.features_on_device`).
     """
 
-    def __init__(self, drafter: DFlashDrafter, cache: FeatureCache, config: TrainConfig):
+    def __init__(self, drafter: DFlashDrafter, cache: FeatureCache, config: TrainConfig,
+                 device_features: bool = False):
         if drafter.binding is None:
             raise RuntimeError("bind the drafter to its target before training")
         if cache.seq_len < drafter.block_size + 2:
@@ -100,17 +141,28 @@ class Trainer:
         self.optimizer = optim.AdamW(learning_rate=lr_schedule(config), betas=[0.9, 0.95],
                                      weight_decay=config.weight_decay)
         self.optimizer.init(drafter.trainable_parameters())
-        self._features = cache.features()
+        features = cache.features()
+        self.device_features = bool(device_features)
+        self._features = mx.array(np.asarray(features)) if device_features else features
+        self._argmax = None
+        if config.labels == "target":
+            self._argmax = cache.argmax()
+            if self._argmax is None:
+                raise DFlashError(f"feature cache '{cache.path}' predates --labels target (no argmax stored); "
+                                  "delete it or pass another --cache")
         self._teacher = cache.teacher() if config.kl > 0 else None
         if config.kl > 0 and self._teacher is None:
             raise DFlashError("--kl needs the target's top-k in the feature cache; rebuild it with --kl-topk > 0")
-        self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
         self._vocab_changed()
+        self._build_steps()
+        self.flops_per_micro = step_flops(drafter, config.rows_per_step, config.anchors, cache.seq_len)
         self.step = 0
         self.elapsed = 0.0
         self.context_tokens = 0  # row tokens read
         self.predicted = 0  # labelled block slots trained on
-        self.history: List[Dict] = []  # held-out τ evaluations
+        self.flops = 0.0  # training FLOPs spent (step_flops per micro-batch)
+        self.history: List[Dict] = []  # held-out τ evaluations: step, slots, flops, tau, passes
+        self.device = str(mx.default_device())
 
     def _vocab_changed(self) -> None:
         if "lm_head" in self.drafter:
@@ -120,10 +172,10 @@ class Trainer:
             self.t2d = maps(np.arange(N) + np.array(self.drafter.d2t), V)[1]
 
     # -- batches -------------------------------------------------------------------------------------------------
-    def batch(self, step: int) -> Dict[str, mx.array]:
-        """The blocks of training step `step` (a pure function of the seed and the step)."""
+    def batch(self, step: int, micro: int = 0) -> Dict[str, mx.array]:
+        """Micro-batch `micro` of training step `step` (a pure function of the seed, the step and `micro`)."""
         cfg, B = self.config, self.block_size
-        rng = np.random.default_rng([cfg.seed, step])
+        rng = np.random.default_rng([cfg.seed, step, micro])
         rows, anchors = [], []
         for _ in range(100 * cfg.rows_per_step):
             row = int(rng.integers(self.cache.rows))
@@ -140,12 +192,22 @@ class Trainer:
         trainable = np.asarray(self.cache.trainable[rows])
         at = anchors[:, :, None] + np.arange(1, B)[None, None]  # [R, A, B-1]: positions slots 1..B-1 predict
         r = np.arange(len(rows))[:, None, None]
-        labels, ok = tokens[r, at], trainable[r, at] > 0
+        if self._argmax is not None:
+            # The target's greedy choice for position p comes from its logits at p - 1: for slot 1 that is the
+            # verify's own answer on this context; later slots see the text's tokens before them.
+            labels = np.asarray(self._argmax[rows])[r, at - 1]
+        else:
+            labels = tokens[r, at]
+        ok = trainable[r, at] > 0
         if self.t2d is not None:
             labels = self.t2d[labels]
             ok &= labels >= 0
+        if self.device_features:
+            features = mx.take(self._features, mx.array(np.asarray(rows, dtype=np.int32)), axis=0)
+        else:
+            features = mx.array(np.asarray(self._features[rows]))
         out = {
-            "features": mx.array(np.asarray(self._features[rows]), dtype=mx.float32),
+            "features": features,
             "tokens": mx.array(tokens),
             "anchors": mx.array(anchors),
             "labels": mx.array(np.where(ok, labels, -1).astype(np.int32)),
@@ -161,32 +223,78 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------------------------------
     def _loss(self, batch: Dict[str, mx.array]):
-        h = block_hidden(self.drafter, self.drafter.binding.embed, batch["features"], batch["tokens"],
-                         batch["anchors"], self.mask_token_id)
+        h = block_hidden(self.drafter, self.drafter.binding.embed, batch["features"].astype(mx.float32),
+                         batch["tokens"], batch["anchors"], self.mask_token_id)
         logits = self.drafter.draft_logits(h)
         return block_loss(logits, batch["labels"], self.weights, batch.get("teacher_ids"), batch.get("teacher_logp"),
                           self.config.kl)
 
     def loss(self, batch: Dict[str, mx.array]):
+        """(mean weighted loss, statistics) of one micro-batch, without gradients."""
         return self._loss(batch)
 
+    def _build_steps(self) -> None:
+        """The two pieces of an optimizer step, compiled with the model and optimizer state as implicit inputs:
+        `micro` (loss and weight-summed gradients of one micro-batch) and `apply` (average, clip, AdamW)."""
+        def loss_sum(batch, total):
+            # Gradients of the weight-summed loss add up across micro-batches; `apply` divides by the total.
+            loss, stats = self._loss(batch)
+            return loss * total, (loss, stats)
+
+        loss_and_grad = nn.value_and_grad(self.drafter, loss_sum)
+
+        def micro(batch, total):
+            (_, (loss, stats)), grads = loss_and_grad(batch, total)
+            return loss, stats, grads
+
+        def apply(grads, total):
+            grads = tree_map(lambda g: g / mx.maximum(total, 1e-6), grads)
+            if self.config.grad_clip > 0:
+                grads, norm = optim.clip_grad_norm(grads, self.config.grad_clip)
+            else:
+                norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+            self.optimizer.update(self.drafter, grads)
+            return norm
+
+        if self.config.compile:
+            state = [self.drafter.state, self.optimizer.state]
+            micro = mx.compile(micro, inputs=state, outputs=state)  # value_and_grad swaps parameters in
+            apply = mx.compile(apply, inputs=state, outputs=state)
+        self._micro, self._apply = micro, apply
+
     def train_step(self) -> Dict[str, float]:
+        """One optimizer step over `config.accum` micro-batches; returns its statistics."""
         tic = time.perf_counter()
-        batch = self.batch(self.step)
-        (loss, stats), grads = self._loss_and_grad(batch)
-        if self.config.grad_clip > 0:
-            grads, norm = optim.clip_grad_norm(grads, self.config.grad_clip)
-        else:
-            norm = mx.array(0.0)
-        self.optimizer.update(self.drafter, grads)
-        mx.eval(self.drafter.parameters(), self.optimizer.state, loss, stats, norm)
+        accum = self.config.accum
+        grads = None
+        totals, losses, stats_list = [], [], []
+        batch = self.batch(self.step, 0)
+        weights = slot_weights(self.block_size, self.gamma)
+        for i in range(accum):
+            labels = np.asarray(batch["labels"])
+            total = float((weights * (labels >= 0)).sum())  # the loss's normalizer, known on the host
+            loss, stats, g = self._micro(batch, mx.array(total, dtype=mx.float32))
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            mx.async_eval(grads, loss, stats)
+            R, S = batch["tokens"].shape
+            self.context_tokens += R * S
+            self.predicted += int((labels >= 0).sum())
+            if i + 1 < accum:  # build the next micro-batch on the host while the device computes this one
+                batch = self.batch(self.step, i + 1)
+            totals.append(total)
+            losses.append(loss)
+            stats_list.append(stats)
+        norm = self._apply(grads, mx.array(sum(totals), dtype=mx.float32))
+        mx.eval(self.drafter.parameters(), self.optimizer.state, norm)
         self.step += 1
+        self.flops += accum * self.flops_per_micro
         self.elapsed += time.perf_counter() - tic
-        R, S = batch["tokens"].shape
-        self.context_tokens += R * S
-        self.predicted += int((batch["labels"] >= 0).sum().item())
-        out = {k: v.item() for k, v in stats.items()}
-        out.update(loss=loss.item(), grad_norm=norm.item(), lr=float(self.optimizer.learning_rate.item()))
+        # Micro-batch statistics, weighted like the loss.
+        w = totals
+        wsum = max(sum(w), 1e-6)
+        out = {k: sum(s[k].item() * wi for s, wi in zip(stats_list, w)) / wsum for k in stats_list[0]}
+        out.update(loss=sum(l.item() * wi for l, wi in zip(losses, w)) / wsum, grad_norm=norm.item(),
+                   lr=float(self.optimizer.learning_rate.item()))
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -200,7 +308,7 @@ class Trainer:
         mx.save_safetensors(str(tmp / "params.safetensors"), dict(tree_flatten(self.drafter.parameters())))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
         state = dict(step=self.step, elapsed=self.elapsed, context_tokens=self.context_tokens,
-                     predicted=self.predicted, history=self.history, config=self.config.to_dict(),
+                     predicted=self.predicted, flops=self.flops, history=self.history, config=self.config.to_dict(),
                      drafter_config=self.drafter.config.to_dict(), **(extra or {}))
         (tmp / "trainer.json").write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
         shutil.rmtree(step_dir, ignore_errors=True)
@@ -223,10 +331,12 @@ class Trainer:
         self.optimizer.state = tree_unflatten(list(opt_state.items()))
         mx.eval(self.drafter.parameters(), self.optimizer.state)
         self._vocab_changed()
+        self._build_steps()  # the compiled step holds the state objects it was built with
         self.step = int(state["step"])
         self.elapsed = float(state["elapsed"])
         self.context_tokens = int(state["context_tokens"])
         self.predicted = int(state["predicted"])
+        self.flops = float(state.get("flops", 0.0))
         self.history = list(state.get("history", []))
         return state
 
