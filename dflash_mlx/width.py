@@ -56,7 +56,8 @@ class WidthPolicy:
 
     Args:
         max_width: the drafter's block size (the widest block it drafts).
-        first_width: the width of the first cycle, before anything is measured.
+        first_width: the width of the first cycle, before anything is measured (default: `max_width`; a good
+            drafter then loses no cycle, a useless one pays for one wide cycle).
         decay: weight kept by acceptance counts from one cycle to the next (memory ~ 1/(1-decay) cycles).
         prior: acceptance assumed for slot 1 before any data; `prior_weight` is its weight in observations.
         smoothing: weight of a new cycle time in its width's running cost.
@@ -67,13 +68,13 @@ class WidthPolicy:
             depend on acceptance alone, so a seeded sampling run reproduces whatever the machine's speed.
     """
 
-    def __init__(self, max_width: int, *, first_width: int = 4, decay: float = 0.98, prior: float = 0.5,
+    def __init__(self, max_width: int, *, first_width: Optional[int] = None, decay: float = 0.98, prior: float = 0.5,
                  prior_weight: float = 0.5, smoothing: float = 0.3, plain_guess: float = 0.6,
                  probe_budget: float = 0.03, expire: int = 512, cost: Optional[Callable[[int], float]] = None):
         if max_width < 1:
             raise ValueError(f"max_width must be >= 1, got {max_width}")
         self.max_width = max_width
-        self.first_width = max(1, min(first_width, max_width))
+        self.first_width = max(1, min(first_width or max_width, max_width))
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
         self.smoothing, self.plain_guess = smoothing, plain_guess
         self.probe_budget, self.expire = probe_budget, expire
