@@ -16,7 +16,9 @@ is `argmax_w E(w) / c(w)` over two running estimates:
 Probes: while the choice is narrower than the block, slots beyond it get no data. A probe cycle at twice the
 chosen width runs whenever the time saved up for probes (`probe_budget` of all cycle time) pays for its extra
 cost, so acceptance that improves is noticed at a bounded price when it does not. A probe that gets drafts
-accepted pays for the next one right away, so the width grows back within a few cycles.
+accepted pays for the next one right away, so the width grows back within a few cycles. A narrower width whose
+estimated rate is close to the best is re-measured the same way, so a cost measured in a busy moment does not
+keep the choice wrong.
 """
 
 from __future__ import annotations
@@ -27,7 +29,33 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 class Width(Protocol):
     """What the engine asks of a width choice."""
 
-    def choose(self) -> int: ...
+    def choose(self) -> int:
+        if not self.costs or self.max_width == 1:
+            return self.first_width
+        width = self.best()
+        up = min(self.max_width, max(2, 2 * width))
+        self.probe = None
+        if up > width and self.funded:
+            self.probe, self.funded = up, False
+            return up
+        for probe in (up, self._close_narrower(width)):
+            if probe is not None and probe != width and self.savings >= self.probe_cost(probe, width):
+                self.savings -= max(self.probe_cost(probe, width), 0.0)
+                self.probe = probe
+                return probe
+        return width
+
+    def probe_cost(self, probe: int, width: int) -> float:
+        """Seconds a cycle at `probe` loses against the same tokens committed at `width`'s rate."""
+        expected = self.expected_tokens()
+        return self.cost(probe) - expected[probe - 1] * self.cost(width) / expected[width - 1]
+
+    def _close_narrower(self, width: int) -> Optional[int]:
+        """Half the width, when its estimated rate is within 20% of the best: its cost may be stale (it is only
+        measured while in use), so it is re-measured now and then."""
+        narrower = max(1, width // 2)
+        rates = self.rates_per_second()
+        return narrower if narrower < width and rates[narrower - 1] >= 0.8 * rates[width - 1] else None
 
     def record(self, width: int, accepted: int, seconds: float) -> None: ...
 
@@ -56,7 +84,8 @@ class WidthPolicy:
 
     Args:
         max_width: the drafter's block size (the widest block it drafts).
-        first_width: the width of the first cycle, before anything is measured.
+        first_width: the width of the first cycle, before anything is measured (default: `max_width`; a good
+            drafter then loses no cycle, a useless one pays for one wide cycle).
         decay: weight kept by acceptance counts from one cycle to the next (memory ~ 1/(1-decay) cycles).
         prior: acceptance assumed for slot 1 before any data; `prior_weight` is its weight in observations.
         smoothing: weight of a new cycle time in its width's running cost.
@@ -67,13 +96,13 @@ class WidthPolicy:
             depend on acceptance alone, so a seeded sampling run reproduces whatever the machine's speed.
     """
 
-    def __init__(self, max_width: int, *, first_width: int = 4, decay: float = 0.98, prior: float = 0.5,
+    def __init__(self, max_width: int, *, first_width: Optional[int] = None, decay: float = 0.98, prior: float = 0.5,
                  prior_weight: float = 0.5, smoothing: float = 0.3, plain_guess: float = 0.6,
                  probe_budget: float = 0.03, expire: int = 512, cost: Optional[Callable[[int], float]] = None):
         if max_width < 1:
             raise ValueError(f"max_width must be >= 1, got {max_width}")
         self.max_width = max_width
-        self.first_width = max(1, min(first_width, max_width))
+        self.first_width = max(1, min(first_width or max_width, max_width))
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
         self.smoothing, self.plain_guess = smoothing, plain_guess
         self.probe_budget, self.expire = probe_budget, expire

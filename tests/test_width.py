@@ -56,10 +56,19 @@ def test_useless_drafter_falls_back_to_plain_decoding():
     assert spent <= 0.05 * len(widths)  # probes cost at most a few percent over plain decoding
 
 
+def test_a_cost_measured_in_a_busy_moment_does_not_stick():
+    # A shared machine: one cycle in ten takes three times as long. Plain decoding must still win with a useless
+    # drafter (its cost is re-measured even while a drafting width looks cheaper).
+    rng = random.Random(1)
+    policy = WidthPolicy(B)
+    widths = drive(policy, useless, 200, seconds=lambda w: cycle_seconds(w) * (3 if rng.random() < 0.1 else 1))
+    assert widths[50:].count(1) >= 0.9 * 150
+
+
 def test_oracle_drafter_stays_wide():
     policy = WidthPolicy(B)
     widths = drive(policy, oracle, 60)
-    assert widths[3:] == [B] * (len(widths) - 3)
+    assert widths == [B] * len(widths)
 
 
 def test_expensive_wide_verify_picks_a_middle_width():
@@ -86,7 +95,7 @@ def test_recovers_when_acceptance_improves():
 
 def test_costs_are_measured_and_interpolated():
     policy = WidthPolicy(B)
-    assert policy.choose() == 4  # nothing measured yet
+    assert policy.choose() == B  # nothing measured yet
     policy.record(4, 3, 2.0)
     policy.record(12, 0, 4.0)
     assert policy.cost(8) == pytest.approx(3.0)
