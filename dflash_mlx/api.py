@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Generator, List, Optional, Union
+from typing import Callable, Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -77,6 +77,7 @@ def stream_generate(
     acceptor: Optional[Acceptor] = None,
     width: Optional[Width] = None,
     warn_collapse: bool = True,
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
@@ -95,6 +96,7 @@ def stream_generate(
         state: caches to continue from (see `engine.DecodeState`); fresh ones if omitted.
         acceptor: a ready acceptance rule (see `acceptance.make_acceptor`), instead of the sampling keywords.
         width: a ready width policy (see `width.Width`) instead of the default one; ignored with `block_size`.
+        prefill_progress: called as `(tokens_done, total)` after each prefill chunk (e.g. a progress bar).
         warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
         sampling: the keywords of `acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
@@ -128,7 +130,7 @@ def stream_generate(
     stats = AcceptanceStats(adaptive=adaptive)
     cycles = dflash_generate_step(ids, target, drafter, max_tokens=max_tokens, block_size=block_size,
                                   stop_tokens=eos, prefill_step_size=prefill_step_size, state=state,
-                                  acceptor=acceptor, width=width)
+                                  acceptor=acceptor, width=width, prefill_progress=prefill_progress)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]):
         try:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import inspect
 import signal
 import sys
 from pathlib import Path
@@ -79,8 +78,7 @@ def stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bo
     from . import api
 
     bar = PrefillBar(len(ids))
-    if "prefill_progress" in inspect.signature(api.stream_generate).parameters:
-        options = dict(options, prefill_progress=bar)
+    options = dict(options, prefill_progress=bar)
     response = None
     try:
         for response in api.stream_generate(target, tokenizer, ids, drafter, **options):

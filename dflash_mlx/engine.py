@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Generator, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -98,11 +98,12 @@ class DecodeState:
 
 
 def prefill(target: TargetModel, drafter: Optional[Drafter], prompt: mx.array, state: DecodeState,
-            step_size: int = 2048) -> mx.array:
+            step_size: int = 2048, progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
     """Run the prompt through the target in chunks, feeding each chunk's features to the drafter's cache.
 
     With a `state` from an earlier generation (a later chat turn), the prompt continues it: the last committed
     token and the features still waiting for the draft cache go in first. Returns the last position's logits [V].
+    `progress(done, total)`, if given, is called after each chunk with the prompt tokens processed so far.
     """
     if state.last_token >= 0:
         prompt = mx.concatenate([mx.array([state.last_token], dtype=prompt.dtype), prompt])
@@ -118,6 +119,8 @@ def prefill(target: TargetModel, drafter: Optional[Drafter], prompt: mx.array, s
                 drafter.append_context(hidden, state.draft_cache)
             mx.eval(logits[:, -1], [c.state for c in state.target_cache],
                     [c.state for c in state.draft_cache] if state.draft_cache else [])
+            if progress is not None:
+                progress(min(begin + step_size, prompt.shape[0]), prompt.shape[0])
     return logits[0, -1]
 
 
@@ -153,6 +156,7 @@ def dflash_generate_step(
     state: Optional[DecodeState] = None,
     acceptor: Optional[Acceptor] = None,
     width: Optional[Width] = None,
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
     profiler=None,
 ) -> Generator[Cycle, None, None]:
     """DFlash decoding (greedy unless another acceptor is given).
@@ -170,6 +174,7 @@ def dflash_generate_step(
         stop_tokens: generation stops after the first of these is committed.
         state: caches to start from (fresh if omitted).
         acceptor: the acceptance rule (`acceptance.GreedyAcceptor` by default).
+        prefill_progress: called as `(tokens_done, total)` after each prefill chunk (a progress bar).
         profiler: for benchmarks only: an object whose `mark(phase, *arrays)` is called at the end of each phase
             ("prefill", then per cycle "host", "draft", "verify", "host", "rollback") with the arrays to evaluate
             there; the extra syncs slow decoding (see `bench.methods.PhaseProfiler`).
@@ -197,7 +202,7 @@ def dflash_generate_step(
 
     # Prefill: the prompt's features go to the draft cache, its last logits choose the first token.
     acceptor.observe(prompt)  # history-dependent logits processors see every token the target has seen
-    last_logits = prefill(target, drafter, prompt, state, prefill_step_size)
+    last_logits = prefill(target, drafter, prompt, state, prefill_step_size, prefill_progress)
     first = int(acceptor.first(last_logits).item())
     state.last_token = first
     acceptor.observe([first])

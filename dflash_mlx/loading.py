@@ -21,9 +21,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import registry
 from .drafter import DFlashDrafter, TargetBinding
 from .errors import DFlashError
+from .hub import hub_failure
 from .pairing import check_pair
 from .target import TargetModel, supported_model_types
 from .target.families import family_for
+from .validate import check_model_dir
 
 # Every spelling of a weight dtype the commands accept, mapped to MLX's name for it.
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -56,6 +58,7 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
         if family_for(model_type) is None:
             raise DFlashError(f"unsupported target architecture '{model_type}'; supported: "
                               f"{', '.join(supported_model_types())}")
+        check_model_dir(local)  # 0-byte or truncated weights: name the file before mlx reads it
     try:
         return mlx_lm_load(str(local) if local.exists() else path_or_repo, tokenizer_config=tokenizer_config,
                            revision=revision)
@@ -66,6 +69,8 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
             raise DFlashError(f"target '{path_or_repo}': {e}") from e
         raise DFlashError(f"could not load target '{path_or_repo}': {e}") from e
     except Exception as e:  # hub errors (offline, unknown repo) come in many types
+        if not local.exists():
+            raise DFlashError(f"could not download target '{path_or_repo}': {hub_failure(e)}") from e
         raise DFlashError(f"could not load target '{path_or_repo}': {type(e).__name__}: {e}") from e
 
 

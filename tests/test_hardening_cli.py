@@ -311,12 +311,6 @@ def test_prefill_bar_only_for_long_prompts(capsys):
 
 
 def test_cli_drives_the_prefill_bar_when_the_engine_reports_progress(pair, capsys):
-    import inspect
-
-    from dflash_mlx import api
-
-    if "prefill_progress" not in inspect.signature(api.stream_generate).parameters:
-        pytest.skip("the engine has no prefill_progress callback yet (the CLI passes one as soon as it does)")
     code, _, err = _run(capsys, "generate", "-m", pair[0], "-d", pair[1], "-p", "hello " * 1200,
                         "--ignore-chat-template", "--max-tokens", "2")
     assert code == 0 and "prefill" in err
