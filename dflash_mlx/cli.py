@@ -47,6 +47,21 @@ def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bo
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
 
 
+PIPELINE_HELP = ("Under mlx.launch: split the target's layers into stages across the ranks instead of splitting "
+                 "every layer by heads (models with mlx-lm pipeline support, e.g. Qwen3.5).")
+
+
+def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool):
+    """api.load, or under `mlx.launch` the target split over the ranks (docs/distributed.md); rank 0 prints."""
+    from . import api, distributed
+
+    if distributed.launched():
+        return distributed.load(model, draft, quant=quant, pipeline=pipeline)
+    if pipeline:
+        raise DFlashError("--pipeline splits a model over several machines: start the command with mlx.launch")
+    return api.load(model, draft, quant=quant)
+
+
 @app.command()
 def generate(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
@@ -65,6 +80,7 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
     from . import api
@@ -74,7 +90,7 @@ def generate(
         raise DFlashError("--max-tokens must be positive (or -1 for no limit)")
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
-    target, tokenizer, drafter = api.load(model, draft, quant=quant)
+    target, tokenizer, drafter = _load(model, draft, quant, pipeline)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
     if verbose:
@@ -102,9 +118,9 @@ def chat(
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking",
                                             help="Thinking mode for models whose template has one; /think toggles."),
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
-    from . import api
     from .chat import ChatSession, run_repl
     from .sampling import SamplingParams
 
@@ -112,7 +128,7 @@ def chat(
     SamplingParams(**sampling)
     if seed is not None:
         sampling["seed"] = seed
-    target, tokenizer, drafter = api.load(model, draft, quant=quant)
+    target, tokenizer, drafter = _load(model, draft, quant, pipeline)
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
                           block_size=block_size, sampling=sampling, thinking=thinking)
     if history is not None:
