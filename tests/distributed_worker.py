@@ -1,10 +1,10 @@
 """One rank of the distributed tests (started by tests/test_distributed.py through `dflash_mlx.distributed.local`).
 
-Each rank loads the saved tiny target split over the group (tensor or pipeline parallel), runs the decoding
-scenarios of `run_scenarios` and prints one JSON line: its token streams and whether its caches were exact after
-an early stop. The test runs the same `run_scenarios` on the unsplit target in its own process and compares.
+For each job, each rank loads a saved tiny target split over the group (tensor or pipeline parallel), runs the
+decoding scenarios of `run_scenarios` and prints one JSON line: its token streams and whether its caches were exact
+after an early stop. One launch runs every job (starting processes is the slow part). The test runs the same `run_scenarios` on the unsplit target in its own process and compares.
 
-    python tests/distributed_worker.py TARGET_DIR DRAFTER_DIR SPEC_JSON
+    python tests/distributed_worker.py JOBS_JSON
 """
 
 from __future__ import annotations
@@ -98,35 +98,33 @@ def run_scenarios(model, drafter, spec: Dict[str, Any]) -> Dict[str, Any]:
     prompt = spec["prompt"]
     greedy, _ = _run(target, drafter, prompt, spec, {})
     sampled, _ = _run(target, drafter, prompt, spec, dict(temp=spec["temp"], top_p=0.95, seed=spec["seed"]))
+    # No seed: drawn from MLX's global generator, which `setup` seeded alike on every rank.
+    unseeded, _ = _run(target, drafter, prompt, spec, dict(temp=spec["temp"]))
     return {
         "greedy": [t for c in greedy for t in c],
         "greedy_cycles": len(greedy),
         "sampled": [t for c in sampled for t in c],
+        "unseeded": [t for c in unseeded for t in c],
         "early_stop": early_stop_exact(target, drafter, prompt, spec),
         "parameters": sum(p.size for _, p in tree_flatten(model.parameters())),
     }
 
 
 def main(argv: List[str]) -> int:
+    """argv: one JSON list of jobs {"target", "drafter", "mode", "spec"}; prints one JSON line per job."""
     from dflash_mlx.distributed import FeatureExchange, load_sharded_model
-    from dflash_mlx.distributed.group import init_group
-    from dflash_mlx.errors import DFlashError
+    from dflash_mlx.distributed.group import setup
 
-    target_dir, drafter_dir, spec = argv[0], argv[1], json.loads(argv[2])
-    try:
-        group = init_group(timeout=spec.get("connect_timeout", 30))
-        pipeline = spec["mode"] == "pipeline"
-        model = load_sharded_model(target_dir, group, pipeline=pipeline)
-    except DFlashError as e:
-        print(json.dumps({"rank": -1, "error": str(e)}), flush=True)
-        return 2
-    drafter = steered_drafter(drafter_dir, spec)
-    if pipeline:
-        prepare(model, drafter)  # binds the drafter to this rank's embedding and head
-        drafter = FeatureExchange(drafter)
-    result = run_scenarios(model, drafter, spec)
-    result["rank"] = group.rank()
-    print(json.dumps(result), flush=True)
+    group = setup(quiet=False)
+    for job in json.loads(argv[0]):
+        pipeline = job["mode"] == "pipeline"
+        model = load_sharded_model(job["target"], group, pipeline=pipeline)
+        drafter = steered_drafter(job["drafter"], job["spec"])
+        if pipeline:
+            prepare(model, drafter)  # binds the drafter to this rank's embedding and head
+            drafter = FeatureExchange(drafter)
+        result = run_scenarios(model, drafter, job["spec"])
+        print(json.dumps(dict(result, rank=group.rank(), job=job["name"])), flush=True)
     return 0
 
 

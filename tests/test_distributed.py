@@ -25,7 +25,7 @@ from dflash_mlx.drafter_io import save_drafter
 from tiny import TARGET_CONFIGS, greedy, make_drafter
 
 WORKER = str(Path(__file__).with_name("distributed_worker.py"))
-LIMIT = 60  # seconds per 2-rank launch: a rank that diverged waits forever at its next collective
+LIMIT = 90  # seconds for the 2-rank launch: a rank that diverged would wait forever at its next collective
 
 # qwen3_5 shards its untied LM head by vocabulary rows: the vocabulary must split evenly over 2 ranks.
 HYBRID_VOCAB = 98
@@ -59,10 +59,26 @@ def _save_pair(root: Path, kind: str):
     return target_dir, drafter_dir, spec
 
 
+JOBS = [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")]
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     return {kind: _save_pair(root, kind) for kind in ("llama", "qwen3_5")}
+
+
+@pytest.fixture(scope="module")
+def ranks(pairs):
+    """Every job's results on both ranks, from one 2-rank launch: {(kind, mode): [rank 0, rank 1]}."""
+    jobs = [dict(name=f"{kind}-{mode}", target=str(pairs[kind][0]), drafter=str(pairs[kind][1]), mode=mode,
+                 spec=pairs[kind][2]) for kind, mode in JOBS]
+    results = run_local([sys.executable, WORKER, json.dumps(jobs)], ranks=2, timeout=LIMIT)
+    for r in results:
+        assert not r.timed_out, f"rank {r.rank} hung (killed after {LIMIT} s): {r.stderr[-2000:]}"
+        assert r.returncode == 0, f"rank {r.rank} failed: {r.stderr[-2000:]}"
+    lines = [[json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")] for r in results]
+    return {(kind, mode): [by_rank[i] for by_rank in lines] for i, (kind, mode) in enumerate(JOBS)}
 
 
 def _single_process(target_dir: Path, drafter_dir: Path, spec: dict) -> dict:
@@ -74,31 +90,24 @@ def _single_process(target_dir: Path, drafter_dir: Path, spec: dict) -> dict:
     return run_scenarios(model, drafter, spec)
 
 
-def _launch(target_dir: Path, drafter_dir: Path, spec: dict, mode: str) -> list:
-    results = run_local([sys.executable, WORKER, str(target_dir), str(drafter_dir),
-                         json.dumps(dict(spec, mode=mode))], ranks=2, timeout=LIMIT)
-    for r in results:
-        assert not r.timed_out, f"rank {r.rank} hung (killed after {LIMIT} s): {r.stderr[-2000:]}"
-        assert r.returncode == 0, f"rank {r.rank} failed: {r.stderr[-2000:]}"
-    return [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
-
-
-@pytest.mark.parametrize("kind,mode", [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")])
-def test_two_ranks_equal_single_process(pairs, kind, mode):
+@pytest.mark.parametrize("kind,mode", JOBS)
+def test_two_ranks_equal_single_process(pairs, ranks, kind, mode):
     target_dir, drafter_dir, spec = pairs[kind]
     single = _single_process(target_dir, drafter_dir, spec)
     assert single["early_stop"]["target"] == single["early_stop"]["drafter"] == "exact"
     assert single["greedy"] == spec["sequence"][len(spec["prompt"]):][: spec["max_tokens"]]  # lossless alone
     assert single["greedy_cycles"] < spec["max_tokens"] - 4  # drafts were accepted: multi-token cycles ran
-    ranks = _launch(target_dir, drafter_dir, spec, mode)
-    for r in ranks:
+    both = ranks[(kind, mode)]
+    assert [r["rank"] for r in both] == [0, 1] and {r["job"] for r in both} == {f"{kind}-{mode}"}
+    for r in both:
         assert r["parameters"] < single["parameters"], f"rank {r['rank']} holds the whole target"
         assert r["greedy"] == single["greedy"], f"rank {r['rank']} greedy"
         assert r["sampled"] == single["sampled"], f"rank {r['rank']} sampled"
         assert r["early_stop"]["target"] == "exact", f"rank {r['rank']}: {r['early_stop']['target']}"
         assert r["early_stop"]["drafter"] == "exact", f"rank {r['rank']}: {r['early_stop']['drafter']}"
-    assert ranks[0]["greedy_cycles"] == ranks[1]["greedy_cycles"] == single["greedy_cycles"]
+    assert both[0]["greedy_cycles"] == both[1]["greedy_cycles"] == single["greedy_cycles"]
+    assert both[0]["unseeded"] == both[1]["unseeded"]  # the ranks agree on a seed nobody gave
     # Every rank drafts from the same whole features (tensor parallel: summed; pipeline: exchanged).
-    assert ranks[0]["early_stop"]["drafter_digest"] == ranks[1]["early_stop"]["drafter_digest"]
+    assert both[0]["early_stop"]["drafter_digest"] == both[1]["early_stop"]["drafter_digest"]
     if mode == "pipeline":  # stages split no matmul, so the features are the single process's, bit for bit
-        assert ranks[0]["early_stop"]["drafter_digest"] == single["early_stop"]["drafter_digest"]
+        assert both[0]["early_stop"]["drafter_digest"] == single["early_stop"]["drafter_digest"]

@@ -4,6 +4,7 @@ rank 1 prints nothing, and every user mistake ends in one line on rank 0 and a c
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from cache_compare import CONFIGS, build
 from dflash_mlx.cli import main
 from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.distributed.local import run_local, write_hostfile
+from dflash_mlx.drafter_io import save_drafter
+from tiny import make_drafter
 
 LIMIT = 60
 GENERATE = ["generate", "--prompt", "Hello there", "--max-tokens", "16", "--ignore-chat-template"]
@@ -29,6 +32,22 @@ def _save(model, config: dict, out: Path) -> Path:
     save_model(out, model)
     save_config(config, out / "config.json")
     return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(pair, tmp_path_factory):
+    """A tiny random qwen3_5 target (it has pipeline support) with the tiny pair's tokenizer, and a drafter."""
+    root = tmp_path_factory.mktemp("hybrid")
+    vocab = json.loads((pair[0] / "config.json").read_text())["vocab_size"]
+    config = json.loads(json.dumps(CONFIGS["qwen3_5"]))
+    config["text_config"]["vocab_size"] = vocab
+    model = build("qwen3_5", text_config=config["text_config"])
+    target = _save(model, config, root / "target")
+    for f in pair[0].iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja" or f.name == "special_tokens_map.json":
+            shutil.copy(f, target / f.name)
+    drafter, _ = make_drafter(model, block_size=4, mask_token_id=vocab - 1, vocab_size=vocab)
+    return target, save_drafter(drafter, root / "drafter")
 
 
 def _cli(*argv, ranks: int = 2, **kwargs):
@@ -50,13 +69,14 @@ def _one_line_error(results, *needles):
         assert r.stdout == r.stderr == "", (r.stdout, r.stderr)
 
 
-def test_two_ranks_print_the_single_process_output_once(pair, capsys):
-    target, drafter = pair
+@pytest.mark.parametrize("which,flags", [("pair", []), ("hybrid_pair", ["--pipeline"])])
+def test_two_ranks_print_the_single_process_output_once(which, flags, request, capsys):
+    target, drafter = request.getfixturevalue(which)
     argv = [*GENERATE, "--model", str(target), "--draft", str(drafter), "--temp", "1.0", "--seed", "3"]
     capsys.readouterr()
     assert main(argv) == 0
     single = capsys.readouterr().out
-    rank0, rank1 = _cli(*argv)
+    rank0, rank1 = _cli(*argv, *flags)
     assert rank0.returncode == rank1.returncode == 0, rank0.stderr + rank1.stderr
     assert rank0.stdout == single and len(single.strip()) > 0
     assert rank1.stdout == rank1.stderr == ""
