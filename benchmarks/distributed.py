@@ -9,7 +9,8 @@ the same tokens; the script checks it):
   pipeline          2 ranks, pipeline stages (targets with mlx-lm pipeline support); tapped features of the
                     committed positions are exchanged
 Per mode: ms per cycle (a cycle = one draft + one verify pass), tokens per cycle, and rank 0's bytes sent +
-received per decode cycle on its ring sockets (kernel TCP counters, `dflash_mlx.distributed.comm`), plus the
+received per decode cycle on its ring sockets (kernel TCP counters, `dflash_mlx.distributed.comm`; a prefill-only
+run's bytes are taken off), plus the
 measured latency of one all-sum of a verify block's activations. Ranks are local processes on 127.0.0.1: this shows
 correctness and overhead, not the speed of Thunderbolt or Ethernet between machines; both ranks share this
 machine's cores.
@@ -77,19 +78,33 @@ def _encode(tokenizer, text: str) -> List[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _decode_run(target, drafter, ids: List[int], max_tokens: int, block: int, traffic) -> Dict:
+def _decode_run(target, drafter, ids: List[int], max_tokens: int, block: int, group, traffic) -> Dict:
+    """One generation; `bytes` counts the whole run (prefill included) on this rank's ring sockets."""
+    from dflash_mlx.distributed.group import barrier
+
+    before = traffic.settled() if traffic else None
+    if group is not None:
+        barrier(group)  # no rank sends before every rank has read its counters
     gen = dflash_generate_step(mx.array(ids, dtype=mx.int32), target, drafter, max_tokens=max_tokens,
                                block_size=block)
     tic = time.perf_counter()
     first = next(gen)  # prefill
-    start, before = time.perf_counter(), traffic.totals() if traffic else None
+    start = time.perf_counter()
     tokens, cycles = list(first.tokens), 0
     for cycle in gen:
         tokens += cycle.tokens
         cycles += 1
     end = time.perf_counter()
-    moved = (traffic.totals() - before).total if traffic else 0
+    moved = (traffic.settled() - before).total if traffic else 0
     return dict(tokens=tokens, cycles=cycles, prefill_s=start - tic, decode_s=end - start, bytes=moved)
+
+
+def _measured_run(target, drafter, ids: List[int], max_tokens: int, block: int, group, traffic) -> Dict:
+    """A generation, with the bytes of its decode cycles alone (those of a prefill-only run taken off)."""
+    run = _decode_run(target, drafter, ids, max_tokens, block, group, traffic)
+    if traffic:
+        run["bytes"] -= _decode_run(target, drafter, ids, 1, block, group, traffic)["bytes"]
+    return run
 
 
 def _allsum_latency(group, rows: int, hidden: int, reps: int = 20) -> float:
@@ -135,8 +150,8 @@ def measure(mode: str, target_dir: str, drafter_dir: str, args) -> Optional[Dict
     elif mode.startswith("tensor-bcast"):
         drafter = Rank0Drafter(drafter, group, ids_only=mode.endswith("ids"))
     block = args.block_size or drafter.block_size
-    _decode_run(target, drafter, _encode(tokenizer, PROMPTS[0]), 4, block, traffic)  # warm-up
-    runs = [_decode_run(target, drafter, _encode(tokenizer, p), args.max_tokens, block, traffic)
+    _decode_run(target, drafter, _encode(tokenizer, PROMPTS[0]), 4, block, group, traffic)  # warm-up
+    runs = [_measured_run(target, drafter, _encode(tokenizer, p), args.max_tokens, block, group, traffic)
             for p in PROMPTS[: args.prompts]]
     latency = _allsum_latency(group, block, target.hidden_size) if group is not None else None  # every rank
     if group is not None and group.rank() != 0:

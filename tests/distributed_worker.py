@@ -110,12 +110,26 @@ def run_scenarios(model, drafter, spec: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def _measured_traffic(group) -> Dict[str, int]:
+    """Bytes the ring sockets counted around one all-sum of 64 KB (and a 4-byte barrier)."""
+    from dflash_mlx.distributed.comm import RingTraffic
+    from dflash_mlx.distributed.group import barrier
+
+    traffic = RingTraffic()
+    before = traffic.settled()
+    barrier(group)  # no rank sends before every rank has read its counters
+    mx.eval(mx.distributed.all_sum(mx.ones((16, 1024)), group=group))
+    moved = traffic.settled() - before
+    return dict(sockets=len(traffic.sockets), sent=moved.sent, received=moved.received)
+
+
 def main(argv: List[str]) -> int:
     """argv: one JSON list of jobs {"target", "drafter", "mode", "spec"}; prints one JSON line per job."""
     from dflash_mlx.distributed import FeatureExchange, load_sharded_model
     from dflash_mlx.distributed.group import setup
 
     group = setup(quiet=False)
+    print(json.dumps(dict(rank=group.rank(), traffic=_measured_traffic(group))), flush=True)
     for job in json.loads(argv[0]):
         pipeline = job["mode"] == "pipeline"
         model = load_sharded_model(job["target"], group, pipeline=pipeline)

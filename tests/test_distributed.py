@@ -78,7 +78,9 @@ def ranks(pairs):
         assert not r.timed_out, f"rank {r.rank} hung (killed after {LIMIT} s): {r.stderr[-2000:]}"
         assert r.returncode == 0, f"rank {r.rank} failed: {r.stderr[-2000:]}"
     lines = [[json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")] for r in results]
-    return {(kind, mode): [by_rank[i] for by_rank in lines] for i, (kind, mode) in enumerate(JOBS)}
+    out = {(kind, mode): [by_rank[i + 1] for by_rank in lines] for i, (kind, mode) in enumerate(JOBS)}
+    out["traffic"] = [by_rank[0]["traffic"] for by_rank in lines]
+    return out
 
 
 def _single_process(target_dir: Path, drafter_dir: Path, spec: dict) -> dict:
@@ -111,3 +113,11 @@ def test_two_ranks_equal_single_process(pairs, ranks, kind, mode):
     assert both[0]["early_stop"]["drafter_digest"] == both[1]["early_stop"]["drafter_digest"]
     if mode == "pipeline":  # stages split no matmul, so the features are the single process's, bit for bit
         assert both[0]["early_stop"]["drafter_digest"] == single["early_stop"]["drafter_digest"]
+
+
+def test_ring_traffic_counts_the_bytes_of_an_all_sum(ranks):
+    # A 64 KB all-sum over 2 ranks: each rank sends its half to reduce and its reduced half back (64 KB), and
+    # receives as much; the few bytes of a barrier (and of the peer's last one) ride along.
+    for t in ranks["traffic"]:
+        assert t["sockets"] >= 1
+        assert 65536 <= t["sent"] <= 65536 + 64 and 65536 <= t["received"] <= 65536 + 64, t

@@ -1,9 +1,11 @@
 """Communication accounting: bytes this rank moved over its ring-backend connections, read from the kernel.
 
 MLX's ring backend talks over plain TCP sockets inside this process. `RingTraffic` finds them (the sockets whose
-local or peer address is one of the hostfile's) and reads each one's TCP counters (`TCP_INFO`: bytes sent,
-bytes received), so a benchmark can report what one decoding cycle really put on the wire, not an estimate.
-Linux only; on other systems, or with another backend, `RingTraffic.available` is False.
+local or peer address is one of the hostfile's) and reads each one's TCP counters (`TCP_INFO`: bytes the peer
+acknowledged, bytes received; retransmissions are not counted twice), so a benchmark can report what one decoding
+cycle really moved, not an estimate. The kernel may still be delivering the last bytes when a collective returns:
+`settled()` waits until the counters stop moving. Linux only; on other systems, or with another backend,
+`RingTraffic.available` is False.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import json
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Set, Tuple
 
-# Offsets of tcpi_bytes_received and tcpi_bytes_sent in Linux's `struct tcp_info` (include/uapi/linux/tcp.h).
+# Offsets of tcpi_bytes_acked and tcpi_bytes_received in Linux's `struct tcp_info` (include/uapi/linux/tcp.h).
+_BYTES_ACKED_OFFSET = 120
 _BYTES_RECEIVED_OFFSET = 128
-_BYTES_SENT_OFFSET = 200
 _TCP_INFO_LEN = 256
 
 
@@ -68,11 +71,23 @@ class RingTraffic:
         sent = received = 0
         for s in self.sockets:
             info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-            if len(info) < _BYTES_SENT_OFFSET + 8:  # a kernel older than 4.19 has no byte counters
+            if len(info) < _BYTES_RECEIVED_OFFSET + 8:  # a kernel older than 4.1 has no byte counters
                 return Traffic()
+            sent += struct.unpack_from("Q", info, _BYTES_ACKED_OFFSET)[0]
             received += struct.unpack_from("Q", info, _BYTES_RECEIVED_OFFSET)[0]
-            sent += struct.unpack_from("Q", info, _BYTES_SENT_OFFSET)[0]
         return Traffic(sent, received)
+
+    def settled(self, quiet: float = 0.25, limit: float = 3.0) -> Traffic:
+        """The totals once they have not moved for `quiet` seconds (at most `limit` seconds of waiting)."""
+        deadline = time.monotonic() + limit
+        last = self.totals()
+        while time.monotonic() < deadline:
+            time.sleep(quiet)
+            now = self.totals()
+            if now == last:
+                break
+            last = now
+        return last
 
     def close(self) -> None:
         # These are duplicates of MLX's descriptors: closing them leaves MLX's connections open.
