@@ -1,10 +1,14 @@
-"""`dflash-mlx generate` started as 2 ranks (as `mlx.launch` starts it): rank 0 prints the single process's output,
-rank 1 prints nothing, and every user mistake ends in one line on rank 0 and a clean exit on every rank."""
+"""`dflash-mlx generate` and `chat` started as 2 ranks (as `mlx.launch` starts them, and by `mlx.launch` itself):
+rank 0 prints the single process's output, rank 1 prints nothing, and every user mistake ends in one line on
+rank 0 and a clean exit on every rank."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +18,7 @@ from mlx_lm.utils import save_config, save_model
 from cache_compare import CONFIGS, build
 from dflash_mlx.cli import main
 from dflash_mlx.demo import make_tiny_pair
-from dflash_mlx.distributed.local import run_local, write_hostfile
+from dflash_mlx.distributed.local import free_ports, run_local, write_hostfile
 from dflash_mlx.drafter_io import save_drafter
 from tiny import make_drafter
 
@@ -132,3 +136,37 @@ def test_pipeline_without_a_launcher_is_one_line(pair, capsys):
     code = main([*GENERATE, "--model", str(pair[0]), "--draft", str(pair[1]), "--pipeline"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "mlx.launch" in err, err
+
+
+def _mlx_launch():
+    for candidate in (shutil.which("mlx.launch"), Path(sys.executable).parent / "mlx.launch",
+                      Path(sys.base_prefix) / "bin" / "mlx.launch"):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return None
+
+
+def _run_with_limit(argv, stdin: str) -> subprocess.CompletedProcess:
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(stdin, timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the launcher and the ranks it started
+        out, err = p.communicate()
+        pytest.fail(f"{argv[0]} hung: {err[-2000:]}")
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+@pytest.mark.skipif(_mlx_launch() is None, reason="MLX's launcher (mlx.launch) is not installed")
+def test_chat_under_mlx_launch_replies_like_one_process(pair):
+    """The real launcher: it starts 2 ring ranks and copies the typed lines to both; rank 0 replies."""
+    chat = [sys.executable, "-m", "dflash_mlx.cli", "chat", "--model", str(pair[0]), "--draft", str(pair[1]),
+            "--max-tokens", "12", "--temp", "1.0", "--seed", "1"]
+    typed = "Hello there\n/exit\n"
+    single = _run_with_limit(chat, typed)
+    port = free_ports(1)[0]  # the launcher listens on this port and the next
+    launched = _run_with_limit([_mlx_launch(), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+                                "--starting-port", str(port), "--", *chat], typed)
+    assert single.returncode == launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.stdout == single.stdout and "dflash-mlx chat" in single.stdout
