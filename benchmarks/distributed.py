@@ -90,13 +90,14 @@ def _decode_run(target, drafter, ids: List[int], max_tokens: int, block: int, gr
     tic = time.perf_counter()
     first = next(gen)  # prefill
     start = time.perf_counter()
-    tokens, cycles = list(first.tokens), 0
+    tokens, cycles, width = list(first.tokens), 0, 0
     for cycle in gen:
         tokens += cycle.tokens
         cycles += 1
+        width += cycle.block_size
     end = time.perf_counter()
     moved = (traffic.settled() - before).total if traffic else 0
-    return dict(tokens=tokens, cycles=cycles, prefill_s=start - tic, decode_s=end - start, bytes=moved)
+    return dict(tokens=tokens, cycles=cycles, width=width, prefill_s=start - tic, decode_s=end - start, bytes=moved)
 
 
 def _measured_run(target, drafter, ids: List[int], max_tokens: int, block: int, group, traffic) -> Dict:
@@ -160,6 +161,7 @@ def measure(mode: str, target_dir: str, drafter_dir: str, args) -> Optional[Dict
     out = dict(mode=mode, tokens=[r["tokens"] for r in runs], cycles=cycles,
                ms_per_cycle=1e3 * sum(r["decode_s"] for r in runs) / cycles,
                tokens_per_cycle=sum(len(r["tokens"]) - 1 for r in runs) / cycles,
+               verify_width=sum(r["width"] for r in runs) / cycles,
                prefill_s=sum(r["prefill_s"] for r in runs), bytes_per_cycle=sum(r["bytes"] for r in runs) / cycles,
                traffic_counted=bool(traffic and traffic.available))
     if group is not None:
@@ -232,7 +234,8 @@ def _run_mode(mode: str, target_dir: str, drafter_dir: str, args) -> Dict:
 
 def _table(name: str, rows: List[Dict]) -> str:
     base = rows[0]
-    lines = [f"\n{name}: greedy, {base['cycles']} decode cycles per mode",
+    lines = [f"\n{name}: greedy, {base['cycles']} decode cycles per mode, {base['verify_width']:.1f} tokens verified "
+             "per cycle on average",
              f"{'mode':<17} {'ms/cycle':>9} {'x single':>9} {'tok/cycle':>10} {'KB/cycle':>10} {'all-sums':>9} "
              f"{'all-sum ms':>10}  same tokens"]
     for r in rows:
