@@ -25,7 +25,7 @@ from dflash_mlx.drafter_io import save_drafter
 from tiny import TARGET_CONFIGS, greedy, make_drafter
 
 WORKER = str(Path(__file__).with_name("distributed_worker.py"))
-LIMIT = 90  # seconds for the 2-rank launch: a rank that diverged would wait forever at its next collective
+LIMIT = 180  # seconds for the 2-rank launch: a rank that diverged would wait forever at its next collective
 
 # qwen3_5 shards its untied LM head by vocabulary rows: the vocabulary must split evenly over 2 ranks.
 HYBRID_VOCAB = 98

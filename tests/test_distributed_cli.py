@@ -4,6 +4,7 @@ rank 0 and a clean exit on every rank."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from dflash_mlx.distributed.local import free_ports, run_local, write_hostfile
 from dflash_mlx.drafter_io import save_drafter
 from tiny import make_drafter
 
-LIMIT = 60
+LIMIT = 120  # seconds per launch (a shared, loaded machine is slow; a hang is killed)
 GENERATE = ["generate", "--prompt", "Hello there", "--max-tokens", "16", "--ignore-chat-template"]
 
 
@@ -73,14 +74,14 @@ def _one_line_error(results, *needles):
         assert r.stdout == r.stderr == "", (r.stdout, r.stderr)
 
 
-@pytest.mark.parametrize("which,flags", [("pair", []), ("hybrid_pair", ["--pipeline"])])
-def test_two_ranks_print_the_single_process_output_once(which, flags, request, capsys):
-    target, drafter = request.getfixturevalue(which)
+def test_pipeline_ranks_print_the_single_process_output_once(hybrid_pair, capsys):
+    # Tensor parallel end to end: test_chat_under_mlx_launch_replies_like_one_process.
+    target, drafter = hybrid_pair
     argv = [*GENERATE, "--model", str(target), "--draft", str(drafter), "--temp", "1.0", "--seed", "3"]
     capsys.readouterr()
     assert main(argv) == 0
     single = capsys.readouterr().out
-    rank0, rank1 = _cli(*argv, *flags)
+    rank0, rank1 = _cli(*argv, "--pipeline")
     assert rank0.returncode == rank1.returncode == 0, rank0.stderr + rank1.stderr
     assert rank0.stdout == single and len(single.strip()) > 0
     assert rank1.stdout == rank1.stderr == ""
@@ -147,26 +148,32 @@ def _mlx_launch():
 
 
 def _run_with_limit(argv, stdin: str) -> subprocess.CompletedProcess:
-    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # Bytes, not text mode: text mode would turn a generated "\r" into "\n".
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          start_new_session=True)
     try:
-        out, err = p.communicate(stdin, timeout=LIMIT)
+        out, err = p.communicate(stdin.encode(), timeout=LIMIT)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)  # the launcher and the ranks it started
         out, err = p.communicate()
-        pytest.fail(f"{argv[0]} hung: {err[-2000:]}")
-    return subprocess.CompletedProcess(argv, p.returncode, out, err)
+        pytest.fail(f"{argv[0]} hung: {err.decode(errors='replace')[-2000:]}")
+    return subprocess.CompletedProcess(argv, p.returncode, out.decode(errors="replace"),
+                                       err.decode(errors="replace"))
 
 
 @pytest.mark.skipif(_mlx_launch() is None, reason="MLX's launcher (mlx.launch) is not installed")
-def test_chat_under_mlx_launch_replies_like_one_process(pair):
-    """The real launcher: it starts 2 ring ranks and copies the typed lines to both; rank 0 replies."""
-    chat = [sys.executable, "-m", "dflash_mlx.cli", "chat", "--model", str(pair[0]), "--draft", str(pair[1]),
-            "--max-tokens", "12", "--temp", "1.0", "--seed", "1"]
+def test_chat_under_mlx_launch_replies_like_one_process(pair, monkeypatch, capsys):
+    """The real launcher, tensor parallel: it starts 2 ring ranks and copies the typed lines to both; rank 0
+    replies exactly as one process does, once."""
+    options = ["--model", str(pair[0]), "--draft", str(pair[1]), "--max-tokens", "12", "--temp", "1.0", "--seed", "1"]
     typed = "Hello there\n/exit\n"
-    single = _run_with_limit(chat, typed)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
+    capsys.readouterr()
+    assert main(["chat", *options]) == 0
+    single = capsys.readouterr().out
     port = free_ports(1)[0]  # the launcher listens on this port and the next
     launched = _run_with_limit([_mlx_launch(), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
-                                "--starting-port", str(port), "--", *chat], typed)
-    assert single.returncode == launched.returncode == 0, launched.stderr[-2000:]
-    assert launched.stdout == single.stdout and "dflash-mlx chat" in single.stdout
+                                "--starting-port", str(port), "--", sys.executable, "-m", "dflash_mlx.cli", "chat",
+                                *options], typed)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.stdout == single and "dflash-mlx chat" in single
