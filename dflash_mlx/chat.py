@@ -105,8 +105,7 @@ class ChatSession:
     def _fresh_state(self) -> DecodeState:
         from .api import prepare
 
-        target = prepare(self.model, self.drafter)
-        return DecodeState(target.make_cache(), self.drafter.make_cache() if self.drafter is not None else None)
+        return DecodeState.fresh(prepare(self.model, self.drafter), self.drafter)
 
     def send(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Add a user message and stream the reply's text; `should_stop` is polled between tokens."""

@@ -70,7 +70,8 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (-1: until EOS)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
-                                             help="Tokens verified per pass (default: the drafter's; 1 = plain decoding)."),
+                                             help="Fix the tokens verified per pass (default: chosen every pass, up to "
+                                             "the drafter's block size; 1 = plain decoding)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message for the chat template."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt as raw text."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print tok/s, acceptance length τ and its histogram."),
@@ -108,7 +109,7 @@ def chat(
     quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
-                                             help="Tokens verified per pass (default: the drafter's)."),
+                                             help="Fix the tokens verified per pass (default: chosen every pass)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy); /temp changes it."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
@@ -196,6 +197,8 @@ def bench(
                                            "speculative decoding, method (b)."),
     oracle: bool = typer.Option(False, "--oracle", help="Method (d): DFlash with the target's own greedy "
                                 "continuation as draft (the ceiling of the machinery)."),
+    random_draft: bool = typer.Option(False, "--random-draft", help="Also run a random-weight drafter of the "
+                                      "--draft's shape, width chosen every pass (the floor)."),
     prompts: str = typer.Option("humaneval", "--prompts", help="humaneval, mtbench, or a .jsonl file with a "
                                 "'prompt', 'text' or 'turns' field."),
     num_prompts: int = typer.Option(10, "--num-prompts", help="Prompts to run (the first N)."),
@@ -222,7 +225,7 @@ def bench(
         max_tokens=max_tokens, block_sizes=_int_list(block_size, "--block-size"),
         num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
         out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
-        profile=not no_profile, verify_prompts=verify_prompts)
+        profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft)
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

@@ -3,7 +3,7 @@
 Each draft layer attends from the block to (a) the fused features of every committed token, kept in a KV cache
 that is only ever appended to, and (b) the block itself, bidirectionally. The drafter owns no embedding and no LM
 head: it borrows the target's (see `bind`), unless its config has a reduced `draft_vocab_size`, whose head it owns
-(its logits are scattered back to target ids). Math: dflash-reference.md section 2.
+(its logits are scattered back to target ids). Math: docs/algorithm.md.
 """
 
 from __future__ import annotations
@@ -130,12 +130,21 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def mask_token_id(self) -> Optional[int]:
+        return self.config.mask_token_id
+
     def bind(self, binding: TargetBinding) -> "DFlashDrafter":
         self.binding = binding
         return self
 
     def make_cache(self) -> List[KVCache]:
         return [KVCache() for _ in self.layers]
+
+    def rollback(self, cache: List[KVCache], num_tokens: int) -> None:
+        """Drop the newest `num_tokens` context positions from every layer's cache (mirrors the target's)."""
+        for c in cache:
+            c.trim(num_tokens)
 
     def append_context(self, target_hidden: mx.array, cache: List[KVCache]) -> None:
         """Fuse tapped target features [1, S, n*H] of newly committed tokens and add them to every layer's cache.

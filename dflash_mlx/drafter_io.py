@@ -3,7 +3,7 @@
 One read path serves both `load_drafter` and the converter: find the files, parse `config.json` with
 `DFlashConfig.from_dict`, read the safetensors, rename z-lab keys, and check every tensor against the shapes the
 config implies before a strict load. Every failure is a `DFlashError` whose message says what to do.
-Format: dflash-reference.md section 1.
+Format: docs/algorithm.md, "Checkpoint formats".
 """
 
 from __future__ import annotations

@@ -1,24 +1,51 @@
-"""The DFlash decoding loop: prefill, then draft a block, verify it in one target pass, keep the matching prefix.
+"""The DFlash decoding loop: prefill, then per cycle draft a block, verify it in one target pass, accept the
+matching prefix, roll the caches back to it and commit it.
 
 `dflash_generate_step` yields one `Cycle` per verify pass (the first one is the prefill's token). Every committed
 token is the target's own greedy choice given the committed prefix, so the output equals plain greedy decoding;
 with a sampling acceptor (`acceptance.py`) it is distributed exactly as sampling the target alone.
-Loop and bookkeeping: dflash-reference.md section 3.
+The algorithm and its bookkeeping: docs/algorithm.md; the module map: docs/architecture.md.
 
 Host/device overlap: each cycle's whole graph (draft, verify, acceptance) is queued with `mx.async_eval`, and the
 only host sync is one `.tolist()` of the packed acceptance result. The next cycle is queued before the current
-one's tokens are handed to the caller, so detokenizing and printing overlap the device work.
+one's tokens are handed to the caller, so detokenizing and printing overlap the device work. As in mlx-lm, the
+work runs on a dedicated generation stream and MLX's buffer cache is released between prefill chunks and every
+few hundred cycles (both matter on Apple GPUs and cost nothing on the CPU backend).
+
+Verify width: `block_size` fixes it; a `width` policy (`width.WidthPolicy`) chooses it before every cycle from the
+time between consecutive syncs and the acceptance seen so far. Any sequence of widths commits the same tokens.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Generator, List, Optional, Sequence
+from typing import Any, Generator, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
-from .acceptance import GreedyAcceptor
+from .acceptance import Acceptor, GreedyAcceptor
+from .errors import DFlashError
 from .target import TargetModel
+from .width import FixedWidth, Width
+
+CLEAR_CACHE_EVERY = 256  # cycles between releases of MLX's buffer cache, as mlx-lm's decode loop does
+
+
+class Drafter(Protocol):
+    """What the loop needs from a drafter (`drafter.DFlashDrafter`, `oracle.OracleDrafter`)."""
+
+    block_size: int
+    mask_token_id: Optional[int]
+
+    def make_cache(self) -> List[Any]: ...
+
+    def append_context(self, target_hidden: mx.array, cache: List[Any]) -> None: ...
+
+    def rollback(self, cache: List[Any], num_tokens: int) -> None: ...
+
+    def __call__(self, block_ids: mx.array, cache: List[Any]) -> mx.array: ...
 
 
 @dataclass
@@ -33,54 +60,90 @@ class Cycle:
 
 
 @dataclass
-class _Pending:
-    """A queued cycle: the device is computing it while the host yields the previous one."""
-
-    block: int
-    packed: mx.array  # [acc, choice_0..choice_{b-1}, draft_1..draft_{b-1}]
-    logits: mx.array
-    hidden: mx.array
-    context: Optional[mx.array]  # features this cycle appended to the draft cache (restored if abandoned)
-
-
-@dataclass
 class DecodeState:
-    """Everything the loop carries between cycles; rolled back if the caller stops mid-generation."""
+    """Everything the loop carries between cycles: the caches, the last committed token (the next block's slot 0,
+    not yet in the target cache) and the tapped features of committed tokens not yet in the draft cache."""
 
     target_cache: List[Any]
     draft_cache: Optional[List[Any]]
     last_token: int = -1
-    pending_context: Optional[mx.array] = None  # tapped features not yet in the draft cache
+    pending_context: Optional[mx.array] = None  # [1, S, n*H] tapped features not yet in the draft cache
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def fresh(cls, target: TargetModel, drafter: Optional[Drafter] = None) -> "DecodeState":
+        """Empty caches for this target and drafter (no draft cache without a drafter)."""
+        return cls(target.make_cache(), drafter.make_cache() if drafter is not None else None)
 
-def _prefill(target: TargetModel, drafter, prompt: mx.array, state: DecodeState, step_size: int) -> mx.array:
+    def commit(self, features: mx.array, last_token: int) -> None:
+        """Record a cycle's committed tokens: their tapped features wait for the next draft."""
+        self.pending_context = (features if self.pending_context is None
+                                else mx.concatenate([self.pending_context, features], axis=1))
+        self.last_token = last_token
+
+    def flush_context(self, drafter: Optional[Drafter]) -> Optional[mx.array]:
+        """Hand the waiting features to the draft cache; returns them (None if there were none)."""
+        context, self.pending_context = self.pending_context, None
+        if context is not None and drafter is not None:
+            drafter.append_context(context, self.draft_cache)
+        return context
+
+    def abandon(self, target: TargetModel, drafter: Optional[Drafter], width: int,
+                flushed: Optional[mx.array]) -> None:
+        """Undo a queued cycle of `width` tokens whose draft took the features `flushed` from the queue."""
+        target.rollback(self.target_cache, width)
+        if flushed is not None:
+            drafter.rollback(self.draft_cache, flushed.shape[1])
+            self.pending_context = flushed
+
+
+def prefill(target: TargetModel, drafter: Optional[Drafter], prompt: mx.array, state: DecodeState,
+            step_size: int = 2048) -> mx.array:
     """Run the prompt through the target in chunks, feeding each chunk's features to the drafter's cache.
 
     With a `state` from an earlier generation (a later chat turn), the prompt continues it: the last committed
-    token and the features still waiting for the draft cache go in first.
+    token and the features still waiting for the draft cache go in first. Returns the last position's logits [V].
     """
     if state.last_token >= 0:
         prompt = mx.concatenate([mx.array([state.last_token], dtype=prompt.dtype), prompt])
-    if drafter is not None and state.pending_context is not None:
-        drafter.append_context(state.pending_context, state.draft_cache)
-    state.pending_context = None
     logits = None
-    n = prompt.shape[0]
-    for begin in range(0, n, step_size):
-        chunk = prompt[begin : begin + step_size][None]
-        logits, hidden = target(chunk, state.target_cache)
-        if drafter is not None:
-            drafter.append_context(hidden, state.draft_cache)
-        mx.eval(logits[:, -1], [c.state for c in state.target_cache],
-                [c.state for c in state.draft_cache] if state.draft_cache else [])
+    with mx.stream(generation_stream):
+        state.flush_context(drafter)
+        for begin in range(0, prompt.shape[0], step_size):
+            if begin:
+                mx.clear_cache()  # a long prompt's activations are not needed again
+            chunk = prompt[begin : begin + step_size][None]
+            logits, hidden = target(chunk, state.target_cache)
+            if drafter is not None:
+                drafter.append_context(hidden, state.draft_cache)
+            mx.eval(logits[:, -1], [c.state for c in state.target_cache],
+                    [c.state for c in state.draft_cache] if state.draft_cache else [])
     return logits[0, -1]
+
+
+@dataclass
+class _Pending:
+    """A queued cycle: the device is computing it while the host yields the previous one."""
+
+    width: int
+    packed: mx.array  # [acc, choice_0..choice_{w-1}, draft_1..draft_{w-1}]
+    logits: mx.array  # [w, V]
+    hidden: mx.array  # [1, w, n*H]
+    flushed: Optional[mx.array]  # features this cycle moved into the draft cache (restored if abandoned)
+
+
+def _accept(values: List[int], width: int, stops: set) -> Tuple[List[int], int]:
+    """(tokens to commit, drafts accepted) from a cycle's packed result; a stop token ends the commit."""
+    acc, choice = values[0], values[1 : 1 + width]
+    tokens = values[1 + width : 1 + width + acc] + [choice[acc]]
+    stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return (tokens if stop_at is None else tokens[: stop_at + 1]), acc
 
 
 def dflash_generate_step(
     prompt: mx.array,
     target: TargetModel,
-    drafter=None,
+    drafter: Optional[Drafter] = None,
     *,
     max_tokens: int = 256,
     block_size: Optional[int] = None,
@@ -88,7 +151,8 @@ def dflash_generate_step(
     stop_tokens: Sequence[int] = (),
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
-    acceptor=None,
+    acceptor: Optional[Acceptor] = None,
+    width: Optional[Width] = None,
     profiler=None,
 ) -> Generator[Cycle, None, None]:
     """DFlash decoding (greedy unless another acceptor is given).
@@ -96,11 +160,13 @@ def dflash_generate_step(
     Args:
         prompt: 1-D token ids.
         target: the wrapped target model; its taps must be the drafter's `target_layer_ids`.
-        drafter: a bound `DFlashDrafter` (or any object with `append_context`, `make_cache`, `__call__`);
-            `None` means plain decoding through the same code.
+        drafter: a bound drafter (see `Drafter`); `None` means plain decoding through the same code.
         max_tokens: tokens to generate at most (-1: no limit).
-        block_size: tokens verified per cycle (1 = plain decoding); defaults to the drafter's.
-        mask_token_id: the drafter's mask id; defaults to `drafter.config.mask_token_id`.
+        block_size: tokens verified per cycle (1 = plain decoding); defaults to the drafter's unless `width` is
+            given.
+        width: chooses the verify width before each cycle (e.g. `width.WidthPolicy(drafter.block_size)`) and is
+            told each cycle's width, accepted drafts and seconds; ignored when `block_size` is given.
+        mask_token_id: the drafter's mask id; defaults to `drafter.mask_token_id`.
         stop_tokens: generation stops after the first of these is committed.
         state: caches to start from (fresh if omitted).
         acceptor: the acceptance rule (`acceptance.GreedyAcceptor` by default).
@@ -113,97 +179,80 @@ def dflash_generate_step(
     """
     if drafter is None:
         block_size = 1
-    block_size = block_size or drafter.block_size
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if block_size is not None or width is None:
+        block_size = block_size or drafter.block_size
+        if block_size < 1:
+            raise DFlashError(f"block_size must be >= 1, got {block_size}")
+        width = FixedWidth(block_size)
     if mask_token_id is None and drafter is not None:
-        mask_token_id = drafter.config.mask_token_id
-    if block_size > 1 and mask_token_id is None:
-        raise ValueError("the drafter config has no mask_token_id")
-    if state is None:
-        state = DecodeState(target.make_cache(), drafter.make_cache() if drafter is not None else None)
+        mask_token_id = drafter.mask_token_id
+    if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1):
+        raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
+    state = state or DecodeState.fresh(target, drafter)
     target.check_rollback_supported(state.target_cache)
     limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
     stops = set(int(t) for t in stop_tokens)
     acceptor = acceptor or GreedyAcceptor()
-    # Tell the acceptor every token the target has seen (history-dependent logits processors need it).
-    observe = getattr(acceptor, "observe", None) or (lambda tokens: None)
-    observe(prompt)
+    mark = profiler.mark if profiler is not None else (lambda phase, *arrays: None)
 
-    last_logits = _prefill(target, drafter, prompt, state, prefill_step_size)
+    # Prefill: the prompt's features go to the draft cache, its last logits choose the first token.
+    acceptor.observe(prompt)  # history-dependent logits processors see every token the target has seen
+    last_logits = prefill(target, drafter, prompt, state, prefill_step_size)
     first = int(acceptor.first(last_logits).item())
     state.last_token = first
-    observe([first])
-    if profiler is not None:
-        profiler.mark("prefill")
+    acceptor.observe([first])
+    mark("prefill")
     yield Cycle([first], 0, 1, logits=last_logits[None], is_prefill=True)
     emitted = 1
     if first in stops or emitted >= limit:
         return
 
-    def launch(block: int) -> _Pending:
-        # Build draft + verify + acceptance for one cycle and queue it on the device.
-        if profiler is not None:
-            profiler.mark("host")
-        context = None
+    def launch() -> _Pending:
+        """Draft, verify and accept one block, queued on the device; its width is chosen now."""
+        mark("host")
+        w = int(min(width.choose(), limit - emitted))
         head = mx.array([[state.last_token]], dtype=mx.int32)
-        if block > 1:
-            if state.pending_context is not None:
-                context, state.pending_context = state.pending_context, None
-                drafter.append_context(context, state.draft_cache)
-            block_ids = mx.array([[state.last_token] + [mask_token_id] * (block - 1)], dtype=mx.int32)
-            draft_logits = drafter(block_ids, state.draft_cache)[0]
-            draft = acceptor.propose(draft_logits)
-            if profiler is not None:
-                profiler.mark("draft", draft)
-            verify_ids = mx.concatenate([head, draft[None]], axis=1)
-        else:
-            draft_logits = None
-            draft = mx.zeros((0,), dtype=mx.int32)
-            verify_ids = head
-        logits, hidden = target(verify_ids, state.target_cache)
-        acc, choice = acceptor.verify(draft, draft_logits, logits[0])
-        packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, draft])
-        if profiler is not None:
-            profiler.mark("verify", packed, hidden)
+        flushed, draft, draft_logits = None, mx.zeros((0,), dtype=mx.int32), None
+        with mx.stream(generation_stream):
+            if w > 1:
+                flushed = state.flush_context(drafter)
+                block_ids = mx.array([[state.last_token] + [mask_token_id] * (w - 1)], dtype=mx.int32)
+                draft_logits = drafter(block_ids, state.draft_cache)[0]
+                draft = acceptor.propose(draft_logits)
+                mark("draft", draft)
+            logits, hidden = target(mx.concatenate([head, draft[None]], axis=1), state.target_cache)
+            acc, choice = acceptor.verify(draft, draft_logits, logits[0])
+            packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, draft])
+        mark("verify", packed, hidden)
         mx.async_eval(packed, hidden)
-        return _Pending(block, packed, logits[0], hidden, context)
+        return _Pending(w, packed, logits[0], hidden, flushed)
 
-    pending: Optional[_Pending] = None
+    cycles, synced = 0, time.perf_counter()
+    pending: Optional[_Pending] = launch()
     try:
-        pending = launch(int(min(block_size, limit - emitted)))
         while pending is not None:
             cur, pending = pending, None
-            values = cur.packed.tolist()  # the cycle's one host sync
-            if profiler is not None:
-                profiler.mark("host")
-            acc, choice = values[0], values[1 : 1 + cur.block]
-            tokens = values[1 + cur.block : 1 + cur.block + acc] + [choice[acc]]
-            stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
-            if stop_at is not None:
-                tokens = tokens[: stop_at + 1]
+            tokens, acc = _accept(cur.packed.tolist(), cur.width, stops)  # the cycle's one host sync
+            # The time between two syncs is one cycle's cost (the next cycle was queued right after the last one).
+            now = time.perf_counter()
+            width.record(cur.width, acc, now - synced)
+            synced = now
+            mark("host")
             # The target cache holds the whole block; keep the committed prefix (the newest token is the next
             # block's slot 0, so it is not in the cache yet).
             keep = len(tokens)
-            target.rollback(state.target_cache, cur.block - keep)
-            if profiler is not None:
-                profiler.mark("rollback", [c.state for c in state.target_cache])
-            committed = cur.hidden[:, :keep]
-            state.pending_context = (
-                committed if state.pending_context is None
-                else mx.concatenate([state.pending_context, committed], axis=1)
-            )
-            state.last_token = tokens[-1]
-            observe(tokens)
-            emitted += len(tokens)
-            if stop_at is None and emitted < limit:
-                pending = launch(int(min(block_size, limit - emitted)))
-            yield Cycle(tokens, acc, cur.block, logits=cur.logits[: len(tokens)])
+            target.rollback(state.target_cache, cur.width - keep)
+            mark("rollback", [c.state for c in state.target_cache])
+            state.commit(cur.hidden[:, :keep], tokens[-1])
+            acceptor.observe(tokens)
+            emitted += keep
+            cycles += 1
+            if cycles % CLEAR_CACHE_EVERY == 0:
+                mx.clear_cache()
+            if tokens[-1] not in stops and emitted < limit:
+                pending = launch()
+            yield Cycle(tokens, acc, cur.width, logits=cur.logits[:keep])
     finally:
         if pending is not None:
             # The caller stopped early: undo the queued cycle so the caches hold exactly the committed tokens.
-            target.rollback(state.target_cache, pending.block)
-            if pending.context is not None:
-                for c in state.draft_cache:
-                    c.trim(pending.context.shape[1])
-                state.pending_context = pending.context
+            state.abandon(target, drafter, pending.width, pending.flushed)

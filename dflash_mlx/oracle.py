@@ -6,7 +6,6 @@ reference sequence (prompt + the target's greedy output); it proposes `sequence[
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import List, Sequence
 
 import mlx.core as mx
@@ -29,20 +28,22 @@ class _Position:
 
 
 class OracleDrafter:
+    """A `engine.Drafter` that knows the answer."""
+
     def __init__(self, sequence: Sequence[int], vocab_size: int, block_size: int = 16, mask_token_id: int = 0):
         self.sequence: List[int] = [int(t) for t in sequence]
         self.vocab_size = vocab_size
-        self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_token_id)
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
 
     def make_cache(self) -> List[_Position]:
         return [_Position()]
 
     def append_context(self, target_hidden: mx.array, cache: List[_Position]) -> None:
         cache[0].offset += target_hidden.shape[1]
+
+    def rollback(self, cache: List[_Position], num_tokens: int) -> None:
+        cache[0].trim(num_tokens)
 
     def __call__(self, block_ids: mx.array, cache: List[_Position]) -> mx.array:
         start, block = cache[0].offset, block_ids.shape[1]

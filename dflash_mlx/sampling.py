@@ -3,16 +3,16 @@
 The distribution a token is drawn from is exactly the one mlx-lm's `make_sampler` draws from:
 logits -> logits processors (they see the tokens before this position) -> log-softmax -> top-p, min-p, top-k
 (mlx-lm's own `apply_*` functions, on the untempered log-probs, in its order) -> divide by the temperature.
-`make_acceptor` turns the keyword options into the acceptance rule the engine runs (see `acceptance.py`).
+This module is distribution math only; the acceptance rules built on it live in `acceptance.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import DFlashError
 
@@ -37,6 +37,15 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens_to_keep: int = 1
 
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    @property
+    def filters(self) -> bool:
+        """Whether any of top-p, min-p, top-k is on (they act on normalized log-probs)."""
+        return 0 < self.top_p < 1 or self.min_p != 0 or self.top_k > 0
+
     def __post_init__(self):
         if not self.temp >= 0:
             raise DFlashError(f"temperature must be >= 0, got {self.temp}")
@@ -48,15 +57,6 @@ class SamplingParams:
             raise DFlashError(f"min_p must be in [0, 1], got {self.min_p}")
         if int(self.min_tokens_to_keep) != self.min_tokens_to_keep or self.min_tokens_to_keep < 1:
             raise DFlashError(f"min_tokens_to_keep must be a positive integer, got {self.min_tokens_to_keep}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temp == 0
-
-    @property
-    def filters(self) -> bool:
-        """Whether any of top-p, min-p, top-k is on (they act on normalized log-probs)."""
-        return 0 < self.top_p < 1 or self.min_p != 0 or self.top_k > 0
 
 
 def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
@@ -98,49 +98,3 @@ def process_rows(
             row = processor(tokens, row)
         rows.append(row)
     return mx.concatenate(rows, axis=0)
-
-
-def make_acceptor(
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    seed: Optional[int] = None,
-    *,
-    repetition_penalty: Optional[float] = None,
-    repetition_context_size: int = 20,
-    logits_processors: Optional[List[LogitsProcessor]] = None,
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
-):
-    """The acceptance rule for these options.
-
-    Greedy (temp 0, no processors) -> `GreedyAcceptor`; otherwise `SamplingAcceptor` (rejection sampling on the
-    exact distributions). An opaque mlx-lm `sampler` object cannot be turned into a distribution, so it runs
-    through `MatchAcceptor` (the target samples every position, drafts are kept while they match: lossless for
-    any sampler that treats rows independently, with lower acceptance).
-
-    Args:
-        temp, top_p, top_k, min_p, min_tokens_to_keep: as in `mlx_lm.sample_utils.make_sampler`.
-        seed: seeds the sampling (same seed, same output); `None` draws one from MLX's global generator.
-        repetition_penalty, repetition_context_size: as in `make_logits_processors`.
-        logits_processors: extra mlx-lm logits processors `(tokens, logits) -> logits`, applied after those.
-        sampler: an mlx-lm sampler object, instead of temp/top_p/top_k/min_p.
-    """
-    from .acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor
-
-    if repetition_penalty is not None and not repetition_penalty > 0:
-        raise DFlashError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-    processors = list(make_logits_processors(repetition_penalty=repetition_penalty,
-                                             repetition_context_size=repetition_context_size))
-    processors += list(logits_processors or [])
-    params = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
-    if sampler is not None and sampler is not greedy_sampler:
-        if params != SamplingParams():
-            raise DFlashError("give either sampler= or temp/top_p/top_k/min_p, not both")
-        if seed is not None:
-            mx.random.seed(seed)  # an opaque sampler draws from MLX's global generator
-        return MatchAcceptor(sampler, processors)
-    if params.greedy and not processors:
-        return GreedyAcceptor()
-    return SamplingAcceptor(params, processors, seed=seed)

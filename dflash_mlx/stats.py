@@ -1,4 +1,5 @@
-"""Acceptance statistics of a DFlash run: τ (mean tokens committed per verify pass) and its histogram."""
+"""Acceptance statistics of a DFlash run: τ (mean tokens committed per verify pass), its histogram, the verify
+widths used, and the warning when acceptance collapses."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ from typing import Dict
 
 @dataclass
 class AcceptanceStats:
+    """Running statistics; `adaptive` says whether the engine chose the widths (else they were fixed)."""
+
     cycles: int = 0
     committed: int = 0
     max_block: int = 0
     histogram: Dict[int, int] = field(default_factory=dict)  # tokens committed per cycle (acc + 1) -> count
+    widths: Dict[int, int] = field(default_factory=dict)  # verify width -> cycles
+    drafted_cycles: int = 0  # cycles of width > 1
+    drafted_accepted: int = 0  # drafts accepted in those cycles
+    adaptive: bool = False
 
     def record(self, accepted: int, block_size: int) -> None:
         length = accepted + 1
@@ -19,11 +26,25 @@ class AcceptanceStats:
         self.committed += length
         self.max_block = max(self.max_block, block_size)
         self.histogram[length] = self.histogram.get(length, 0) + 1
+        self.widths[block_size] = self.widths.get(block_size, 0) + 1
+        if block_size > 1:
+            self.drafted_cycles += 1
+            self.drafted_accepted += accepted
 
     @property
     def tau(self) -> float:
         """Acceptance length: mean of (accepted drafts + 1) over verify passes."""
         return self.committed / self.cycles if self.cycles else 0.0
+
+    @property
+    def accepted_per_draft(self) -> float:
+        """Mean drafts accepted per drafting pass (width > 1); 0 when nothing was drafted."""
+        return self.drafted_accepted / self.drafted_cycles if self.drafted_cycles else 0.0
+
+    def format_widths(self) -> str:
+        """Verify widths used, most used first: "1 x 120, 16 x 8"."""
+        ranked = sorted(self.widths.items(), key=lambda item: (-item[1], item[0]))
+        return ", ".join(f"{width} x {count}" for width, count in ranked)
 
     def format_histogram(self, width: int = 30) -> str:
         if not self.cycles:
@@ -34,27 +55,35 @@ class AcceptanceStats:
             count = self.histogram.get(length, 0)
             bar = "#" * round(width * count / top)
             lines.append(f"{length:>3} | {bar:<{width}} {count}")
+        how = "chosen per pass" if self.adaptive else "fixed"
+        lines.append(f"verify widths ({how}): {self.format_widths()}")
         return "\n".join(lines)
 
 
 class CollapseWatch:
-    """Notices when drafting stopped paying off: τ near 1 for many verify passes with a block larger than 1.
+    """Notices when drafting stopped paying off: for many verify passes, drafts were almost never accepted.
 
-    Then DFlash runs slower than plain decoding. `check` returns a message once, the first time it happens.
+    `check` returns a message once, the first time it happens; the message says what the engine does about it.
     """
 
-    def __init__(self, min_cycles: int = 32, max_tau: float = 1.25):
+    def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25):
         self.min_cycles = min_cycles
-        self.max_tau = max_tau
+        self.max_accepted = max_accepted
         self.fired = False
 
     def check(self, stats: AcceptanceStats):
-        if self.fired or stats.cycles < self.min_cycles or stats.max_block < 2 or stats.tau > self.max_tau:
+        if (self.fired or stats.cycles < self.min_cycles or not stats.drafted_cycles
+                or stats.accepted_per_draft > self.max_accepted):
             return None
         self.fired = True
+        if stats.adaptive:
+            action = f"falling back to plain decoding; verify widths used: {stats.format_widths()}"
+        else:
+            action = (f"the width is fixed ({stats.format_widths()}), so DFlash is slower than plain decoding "
+                      "here; leave --block-size out to let the engine fall back to plain decoding")
         return (
-            f"acceptance collapsed: tau {stats.tau:.2f} over {stats.cycles} verify passes with blocks of "
-            f"{stats.max_block}, so DFlash is slower than plain decoding here. Likely causes: a drafter made for "
+            f"acceptance collapsed: {stats.accepted_per_draft:.2f} drafts accepted per drafting pass over "
+            f"{stats.drafted_cycles} passes (tau {stats.tau:.2f}); {action}. Likely causes: a drafter made for "
             "another target or fine-tune, wrong target_layer_ids, a broken quantization of the drafter, or a "
-            "prompt far from the drafter's training data. Try another drafter or --block-size 1."
+            "prompt far from the drafter's training data."
         )

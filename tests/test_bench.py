@@ -35,6 +35,7 @@ def report(pair, prompts_file, tmp_path_factory):
     code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--ar-draft", str(pair[0]), "--oracle",
                  "--prompts", str(prompts_file), "--num-prompts", "2", "--max-tokens", str(MAX_TOKENS),
                  "--block-size", str(BLOCK), "--num-draft", "2", "--verify-prompts", "1", "--ignore-eos",
+                 "--random-draft",
                  "--out", str(out)])
     assert code == 0
     return json.loads((out / "bench.json").read_text()), out
@@ -46,9 +47,12 @@ def _method(report, kind):
 
 def test_report_has_every_method_and_field(report, capsys):
     data, _ = report
-    assert [m["kind"] for m in data["methods"]] == ["mlx-lm", "oracle", "mlx-lm-spec", "dflash"]
+    assert [m["name"] for m in data["methods"]] == ["mlx-lm", "oracle adaptive", f"oracle B={BLOCK}",
+                                                    "mlx-lm spec k=2", "dflash adaptive", f"dflash B={BLOCK}",
+                                                    "random adaptive"]
     for m in data["methods"]:
-        for key in ("tok_s", "speedup", "tau", "histogram", "cycles", "peak_memory_gb", "identical", "seconds"):
+        for key in ("tok_s", "speedup", "tau", "histogram", "widths", "cycles", "peak_memory_gb", "identical",
+                    "seconds"):
             assert key in m, key
         assert m["tokens"] == 2 * MAX_TOKENS
         assert m["tok_s"] > 0 and m["peak_memory_gb"] > 0
@@ -77,8 +81,9 @@ def test_oracle_fills_every_block_but_the_last(report):
         run = prompt["runs"][f"oracle B={BLOCK}"]
         # The prefill makes the first token; the rest come in full blocks, the last one clamped to what is left.
         assert run["cycles"] == math.ceil((run["tokens"] - 1) / BLOCK)
-    oracle = _method(data, "oracle")
+    oracle = next(m for m in data["methods"] if m["name"] == f"oracle B={BLOCK}")
     assert set(oracle["histogram"]) <= {str(BLOCK), str((MAX_TOKENS - 1) % BLOCK)}
+    assert set(oracle["widths"]) <= {str(BLOCK), str((MAX_TOKENS - 1) % BLOCK)}
     # The target as its own AR draft: every draft is accepted.
     assert _method(data, "mlx-lm-spec")["tau"] == pytest.approx(MAX_TOKENS / math.ceil(MAX_TOKENS / 3))
 

@@ -1,6 +1,6 @@
 """Drafter conversion and loading: synthetic z-lab checkpoints in every config generation, written in tmp_path.
 
-The z-lab key and shape table is spelled out here from dflash-reference.md section 1, independently of the code
+The z-lab key and shape table is spelled out here from docs/algorithm.md, independently of the code
 under test. The reference drafter is built directly from the same arrays; converted and loaded drafters must give
 the same logits (exactly in the same dtype, closely when quantized).
 """

@@ -1,4 +1,4 @@
-"""The drafter forward against a plain NumPy (float64) transcription of dflash-reference.md section 2.
+"""The drafter forward against a plain NumPy (float64) transcription of docs/algorithm.md, "The drafter".
 
 The reference below reads the drafter's weights by their checkpoint names and the target's embedding and head,
 and recomputes everything else from the spec: fusion, block embedding, pre-norm Qwen3 layers with q/k norms,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mlx import api, hub, registry
+from dflash_mlx import api, hub, loading, registry
 from dflash_mlx.errors import DFlashError
 
 EXPECTED_DRAFTERS = {
@@ -56,7 +56,7 @@ def test_unknown_names_suggest_close_ones(typo, expected):
 
 def test_offline_names_are_suggested_too():
     with pytest.raises(DFlashError, match="smollm2-135m"):
-        api._resolve_name("smollm2-13m", None, None)
+        loading.resolve_name("smollm2-13m", None, None)
 
 
 def _fake_snapshot(tmp_path: Path, pair_drafter: Path, commit: str) -> Path:

@@ -282,5 +282,5 @@ def test_window_cache_keeps_exactly_what_queries_see():
         cache.trim(S - keep)
         committed += new[:keep]
         assert cache.offset == len(committed)
-    with pytest.raises(ValueError, match="newest write"):
+    with pytest.raises(DFlashError, match="newest write"):
         cache.trim(cache.offset)

@@ -21,10 +21,11 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from scipy import stats
 
 import tiny
-from dflash_mlx.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor
+from test_width import Scheduled
+from dflash_mlx.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor, make_acceptor
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.sampling import SamplingParams, log_distribution, make_acceptor
+from dflash_mlx.sampling import SamplingParams, log_distribution
 
 ALPHA = 1e-3
 
@@ -262,14 +263,15 @@ class NearOracle(OracleDrafter):
         return mx.stack(rows)[None]
 
 
-def _run_many(e2e, params, n, drafter_kind="random", processors=()):
+def _run_many(e2e, params, n, drafter_kind="random", processors=(), widths=None):
     model, drafter, target = e2e
     seqs, accepted = [], 0
     for seed in range(n):
         log = []
         acceptor = _Recording(params, processors, seed=seed, log=log)
         d = NearOracle(model, log, E2E_BLOCK, E2E_VOCAB - 1) if drafter_kind == "near_oracle" else drafter
-        tokens, cycles = tiny.run_dflash(PROMPT, target, d, max_tokens=4, acceptor=acceptor)
+        width = None if widths is None else Scheduled(widths[seed % len(widths):] + widths[: seed % len(widths)])
+        tokens, cycles = tiny.run_dflash(PROMPT, target, d, max_tokens=4, acceptor=acceptor, width=width)
         seqs.append(tokens[:3])
         accepted += sum(c.accepted for c in cycles)
     return np.array(seqs), accepted / n
@@ -282,6 +284,14 @@ def test_dflash_sampling_matches_target_sampling(e2e, drafter_kind, filters):
     assert chi2_pvalue(joint_counts(seqs, E2E_VOCAB), exact_target_joint(e2e[0], PROMPT, params)) > ALPHA
     if drafter_kind == "near_oracle":
         assert accepted > 1.0
+
+
+def test_sampling_with_a_width_changing_every_cycle(e2e):
+    """Widths 3, 1, 2 in turn (rotated per run): every committed token still follows the target's distribution."""
+    params = FILTERS["plain"]
+    seqs, accepted = _run_many(e2e, params, 400, "near_oracle", widths=[3, 1, 2])
+    assert chi2_pvalue(joint_counts(seqs, E2E_VOCAB), exact_target_joint(e2e[0], PROMPT, params)) > ALPHA
+    assert accepted > 0.5
 
 
 def test_history_dependent_processors_are_lossless(e2e):
@@ -367,8 +377,8 @@ def test_api_sampling(pair, monkeypatch):
     processor = lambda tokens, logits: logits  # noqa: E731
     tokens(temp=0.9, top_p=0.95, top_k=40, min_p=0.02, min_tokens_to_keep=2, seed=3, repetition_penalty=1.2,
            repetition_context_size=4, logits_processors=[processor])
-    assert calls[-1] == ((0.9, 0.95, 40, 0.02, 2, 3), dict(repetition_penalty=1.2, repetition_context_size=4,
-                                                           logits_processors=[processor], sampler=None))
+    assert calls[-1] == ((), dict(temp=0.9, top_p=0.95, top_k=40, min_p=0.02, min_tokens_to_keep=2, seed=3,
+                                  repetition_penalty=1.2, repetition_context_size=4, logits_processors=[processor]))
 
 
 def test_cli_sampling_flags(pair, capsys, monkeypatch):
@@ -391,4 +401,5 @@ def test_cli_sampling_flags(pair, capsys, monkeypatch):
 
     calls = _record_acceptors(monkeypatch)
     assert main(base + ["--temp", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--seed", "11"]) == 0
-    assert calls[-1][0][:4] == (0.7, 0.9, 20, 0.05) and calls[-1][0][5] == 11
+    assert {k: calls[-1][1][k] for k in ("temp", "top_p", "top_k", "min_p", "seed")} == \
+        dict(temp=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=11)

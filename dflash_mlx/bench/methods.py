@@ -1,8 +1,9 @@
 """The decoding methods the benchmark compares, each timed the same way on the same prompt.
 
 (a) `PlainMethod`: mlx-lm's `generate_step`. (b) `SpeculativeMethod`: mlx-lm's `speculative_generate_step` with an
-autoregressive draft model. (c) `DFlashMethod`: our engine with a DFlash drafter. (d) the same with the
-`OracleDrafter` fed (a)'s output: every block is accepted, the ceiling of the machinery.
+autoregressive draft model. (c) `DFlashMethod`: our engine with a DFlash drafter, at a fixed verify width or with
+the width chosen every cycle (`adaptive`, the default of `generate`). (d) the same with the `OracleDrafter` fed
+(a)'s output: every block is accepted, the ceiling of the machinery.
 
 Timing: every method first caches the prompt minus its last token (untimed), then decodes; decode time runs from
 the call that feeds the last prompt token to the moment the last new token is known, so it covers exactly the N
@@ -22,10 +23,11 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from ..acceptance import GreedyAcceptor
-from ..engine import DecodeState, dflash_generate_step
+from ..acceptance import make_acceptor
+from ..engine import DecodeState, dflash_generate_step, prefill
 from ..oracle import OracleDrafter
 from ..target import TargetModel
+from ..width import WidthPolicy
 
 PHASES = ("draft", "verify", "rollback", "host")
 PREFILL_STEP = 2048
@@ -176,15 +178,20 @@ class SpeculativeMethod(Method):
 
 
 class DFlashMethod(Method):
-    """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None."""
+    """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None.
+
+    `adaptive`: the width is chosen every cycle, up to `block`; else every cycle verifies `block` tokens.
+    """
 
     def __init__(self, target: TargetModel, drafter, block: int, temp: float = 0.0,
-                 mask_token_id: Optional[int] = None):
+                 mask_token_id: Optional[int] = None, adaptive: bool = False, label: Optional[str] = None):
         self.oracle = drafter is None
         self.kind = "oracle" if self.oracle else "dflash"
-        super().__init__(f"{'oracle' if self.oracle else 'dflash'} B={block}", block)
+        label = label or self.kind
+        super().__init__(f"{label} adaptive" if adaptive else f"{label} B={block}", block)
         self.target, self.drafter, self.temp = target, drafter, temp
         self.mask_token_id = mask_token_id
+        self.adaptive = adaptive
 
     def start(self, ids, max_tokens, stops, reference, profiler, seed):
         drafter = self.drafter
@@ -193,16 +200,15 @@ class DFlashMethod(Method):
                 raise ValueError("the oracle drafter needs the reference output of plain decoding")
             drafter = OracleDrafter(list(ids) + list(reference), self.target.vocab_size, self.block,
                                     self.mask_token_id or 0)
-        state = DecodeState(self.target.make_cache(), drafter.make_cache())
-        for begin in range(0, len(ids) - 1, PREFILL_STEP):
-            chunk = mx.array(ids[begin : min(begin + PREFILL_STEP, len(ids) - 1)], dtype=mx.int32)[None]
-            _, hidden = self.target(chunk, state.target_cache)
-            drafter.append_context(hidden, state.draft_cache)
-            mx.eval([c.state for c in state.target_cache], [c.state for c in state.draft_cache])
-        acceptor = GreedyAcceptor() if self.temp == 0 else _sampling_acceptor(self.temp, seed)
+        state = DecodeState.fresh(self.target, drafter)
+        if len(ids) > 1:
+            prefill(self.target, drafter, mx.array(ids[:-1], dtype=mx.int32), state, PREFILL_STEP)
+        acceptor = make_acceptor(temp=self.temp, seed=seed)  # rejection sampling when temp > 0
+        fixed, width = (None, WidthPolicy(self.block)) if self.adaptive else (self.block, None)
         cycles = dflash_generate_step(mx.array(ids[-1:], dtype=mx.int32), self.target, drafter,
-                                      max_tokens=max_tokens, block_size=self.block, mask_token_id=self.mask_token_id,
-                                      stop_tokens=stops, state=state, acceptor=acceptor, profiler=profiler)
+                                      max_tokens=max_tokens, block_size=fixed, mask_token_id=self.mask_token_id,
+                                      stop_tokens=stops, state=state, acceptor=acceptor, width=width,
+                                      profiler=profiler)
         return self._passes(cycles)
 
     @staticmethod
@@ -213,12 +219,6 @@ class DFlashMethod(Method):
                 yield c.tokens, c.accepted, 0 if c.is_prefill else c.block_size
         finally:
             cycles.close()
-
-
-def _sampling_acceptor(temp: float, seed: Optional[int]):
-    from ..sampling import make_acceptor  # lossless rejection sampling at temperature `temp`
-
-    return make_acceptor(temp=temp, seed=seed)
 
 
 def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: Sequence[int],

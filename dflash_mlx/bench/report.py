@@ -1,7 +1,7 @@
 """Turn benchmark runs into the report: per-method summary, per-prompt detail, verify cost; JSON, table and chart.
 
 Speedup is the ratio of decode throughput (total new tokens / total decode time over all prompts) to plain
-mlx-lm decoding's; τ is the mean number of tokens committed per target pass (dflash-reference.md section 3).
+mlx-lm decoding's; τ is the mean number of tokens committed per target pass (docs/algorithm.md).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def summarize(methods, plain_name: str, records: List[dict], greedy: bool = True
             "seconds": seconds, "tok_s": tps, "speedup": tps / plain_tps if plain_tps else 0.0,
             "tau": stats.tau, "cycles": stats.cycles,
             "histogram": {str(k): v for k, v in sorted(stats.histogram.items())},
+            "widths": {str(k): v for k, v in sorted(stats.widths.items())},  # verify width -> passes
             # One target pass (draft + verify + rollback + host) in units of one plain decode step.
             "cycle_cost_steps": seconds / passes / step if passes and step else None,
             "peak_memory_gb": max(r.peak_memory for r in runs) / GB if runs else 0.0,
@@ -142,7 +143,8 @@ def format_table(report: dict) -> str:
     for s in report["methods"]:
         if s["kind"] != "mlx-lm" and s["cycles"]:
             hist = " ".join(f"{k}:{v}" for k, v in s["histogram"].items())
-            out.append(f"{s['name']}: tokens per pass {hist}")
+            widths = " ".join(f"{k}:{v}" for k, v in s["widths"].items())
+            out.append(f"{s['name']}: tokens per pass {hist}; verify widths {widths}")
     vc = report.get("verify_cost")
     if vc:
         step = vc["ms"]["1"]

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
+from ..loading import load_target, prepare, resolve_target, shipped_drafter_for
 from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, verify_costs
 from .prompts import encode_prompt, load_prompts
 from .report import summarize, write_chart, write_json
@@ -34,6 +35,8 @@ class BenchConfig:
     num_prompts: Optional[int] = 10
     max_tokens: int = 128
     block_sizes: List[int] = field(default_factory=list)  # empty: the drafter's (16 for the oracle alone)
+    adaptive: bool = True  # also run DFlash (and the oracle) with the width chosen every cycle, up to the widest
+    random_draft: bool = False  # also run a drafter of the same shape with random weights (adaptive only)
     num_draft_tokens: List[int] = field(default_factory=lambda: [3])
     temp: float = 0.0
     seed: int = 0
@@ -55,38 +58,20 @@ class BenchConfig:
         if not self.temp >= 0:
             raise DFlashError(f"--temp must be >= 0, got {self.temp}")
         if self.draft is None:
-            self.draft = _shipped_drafter(self.model)
+            self.draft = shipped_drafter_for(self.model)
         if self.draft is None and self.ar_draft is None and not self.oracle:
             raise DFlashError("nothing to compare with plain decoding: give --draft, --ar-draft or --oracle")
+        if self.random_draft and self.draft is None:
+            raise DFlashError("--random-draft copies the shape of a drafter: give --draft too")
 
 
-def _shipped_drafter(name: str) -> Optional[str]:
-    """The drafter shipped for an offline model name (the default target has one), else None."""
-    from ..models import find_model, shipped_drafter
-
-    offline = None if Path(name).expanduser().exists() else find_model(name)
-    path = shipped_drafter(offline) if offline else None
-    return str(path) if path else None
-
-
-def _resolve(name: str) -> str:
-    """A local path as is; a bare registry name through `models.ensure_offline_model` when that exists."""
-    if Path(name).expanduser().exists() or "/" in name:
-        return name
-    try:
-        from ..models import ensure_offline_model
-    except ImportError:
-        return name
-    return str(ensure_offline_model(name))
-
-
-def _load_mlx_lm(name: str, what: str):
+def _load_ar_draft(name: str):
     from mlx_lm.utils import load
 
     try:
-        return load(_resolve(name))
+        return load(resolve_target(name))
     except Exception as e:  # mlx-lm and the hub raise many types
-        raise DFlashError(f"could not load {what} '{name}': {type(e).__name__}: {e}") from e
+        raise DFlashError(f"could not load AR draft '{name}': {type(e).__name__}: {e}") from e
 
 
 def _environment() -> Dict[str, str]:
@@ -102,8 +87,7 @@ def _environment() -> Dict[str, str]:
 
 
 def _build_methods(cfg: BenchConfig, model):
-    from ..api import prepare
-    from ..drafter_io import load_drafter
+    from ..drafter_io import build_drafter, load_drafter
     from ..target import TargetModel
 
     plain = PlainMethod(model, cfg.temp)
@@ -111,25 +95,33 @@ def _build_methods(cfg: BenchConfig, model):
     blocks = cfg.block_sizes or [drafter.block_size if drafter is not None else 16]
     others: List[Method] = []
     if cfg.ar_draft:
-        ar_model, _ = _load_mlx_lm(cfg.ar_draft, "AR draft")
+        ar_model, _ = _load_ar_draft(cfg.ar_draft)
         others += [SpeculativeMethod(model, ar_model, k, cfg.temp) for k in cfg.num_draft_tokens]
+    widest = max(blocks)
     if drafter is not None:
         target = prepare(model, drafter, probe=True)
+        if cfg.adaptive:
+            others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
         others += [DFlashMethod(target, drafter, b, cfg.temp) for b in blocks]
+        if cfg.random_draft:
+            noise = build_drafter(drafter.config)  # same shape, random weights: acceptance collapses
+            mx.eval(noise.parameters())
+            others.append(DFlashMethod(prepare(model, noise), noise, widest, cfg.temp, adaptive=True,
+                                       label="random"))
     oracles: List[Method] = []
     if cfg.oracle:
         bare = TargetModel(model)  # no taps: the oracle reads no features
         mask = drafter.config.mask_token_id if drafter is not None else None
-        oracles = [DFlashMethod(bare, None, b, cfg.temp, mask_token_id=mask) for b in blocks]
+        if cfg.adaptive:
+            oracles.append(DFlashMethod(bare, None, widest, cfg.temp, mask_token_id=mask, adaptive=True))
+        oracles += [DFlashMethod(bare, None, b, cfg.temp, mask_token_id=mask) for b in blocks]
     return plain, oracles, others, blocks
 
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; return the report (also written under `cfg.out` when given)."""
-    from ..api import _load_target
-
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
-    model, tokenizer = _load_target(_resolve(cfg.model), None, None)
+    model, tokenizer = load_target(resolve_target(cfg.model))
     plain, oracles, others, blocks = _build_methods(cfg, model)
     units: List[List[Method]] = [[plain] + oracles] + [[m] for m in others]
     methods = [m for unit in units for m in unit]

@@ -4,7 +4,7 @@ A GatedDeltaNet layer keeps a short conv state and a recurrent state; mlx-lm's `
 trimmed. Our walk runs the layer's math itself, from its own submodules and mlx-lm's functions (`normalize_qk`,
 `gated_delta_update`), so that each write can keep what undoing it needs. Nothing in mlx-lm is patched.
 
-Default scheme, S2 of hybrid-rollback.md (`ReplayRollback`): a write keeps the state it started from and its
+Default scheme (docs/rollback.md, `ReplayRollback`): a write keeps the state it started from and its
 recurrence inputs; dropping its newest n tokens re-runs only the recurrence over the kept prefix from that state,
 and the conv state is a slice of the recorded conv input. Both are bit-exact: the recurrence is sequential per
 step and elementwise in its gates, so a prefix replay computes the same numbers the write did.

@@ -13,6 +13,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
+from ..errors import DFlashError
+
 
 class WindowKVCache(RotatingKVCache):
     """`RotatingKVCache` kept in temporal order: `_idx` valid entries, the last of them the newest write."""
@@ -50,7 +52,7 @@ class WindowKVCache(RotatingKVCache):
         n = min(self.offset, n)
         # The next write attends to min(offset, max_size - 1) earlier tokens; they must still be here.
         if self._idx - n < min(self.offset - n, self.max_size - 1):
-            raise ValueError(f"WindowKVCache can only drop tokens of its newest write; cannot trim {n}")
+            raise DFlashError(f"WindowKVCache can only drop tokens of its newest write; cannot trim {n}")
         self.offset -= n
         self._idx -= n
         return n

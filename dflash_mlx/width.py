@@ -1,0 +1,170 @@
+"""The verify width of each cycle: the width that maximizes expected committed tokens per second.
+
+Before each cycle the engine asks `WidthPolicy.choose()` for a width w (1 = plain decoding, no drafting; at most
+the drafter's block size); after the cycle's one host sync it reports `record(w, accepted, seconds)`. The choice
+is `argmax_w E(w) / c(w)` over two running estimates:
+
+- c(w), seconds per cycle at width w (draft + verify + host), measured on the running machine from the time
+  between the engine's consecutive syncs (no extra sync), smoothed per width. Unmeasured widths are interpolated
+  between measured ones, extrapolated flat above the widest (so wider widths get tried) and, for plain decoding,
+  guessed as a fraction of the cheapest drafting cycle until it is measured. Measurements expire after `expire`
+  cycles, so the model follows the cost growth of a longer context.
+- a_i, the probability that draft slot i is accepted given that slots 1..i-1 were, from counts that fade with
+  every cycle (old evidence loses weight even while a slot is not drafted), shrunk toward a_{i-1} where slot i
+  has little data. E(w) = 1 + sum_{i<w} prod_{j<=i} a_j.
+
+Probes: while the choice is narrower than the block, slots beyond it get no data. A probe cycle at twice the
+chosen width runs whenever the time saved up for probes (`probe_budget` of all cycle time) pays for its extra
+cost, so acceptance that improves is noticed at a bounded price when it does not. A probe that gets drafts
+accepted pays for the next one right away, so the width grows back within a few cycles.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
+
+
+class Width(Protocol):
+    """What the engine asks of a width choice."""
+
+    def choose(self) -> int: ...
+
+    def record(self, width: int, accepted: int, seconds: float) -> None: ...
+
+
+class FixedWidth:
+    """Always the same width (`block_size=N`, `--block-size N`)."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def choose(self) -> int:
+        return self.width
+
+    def record(self, width: int, accepted: int, seconds: float) -> None:
+        pass
+
+
+def nominal_cost(width: int) -> float:
+    """A machine-independent cycle cost (in decode steps) for reproducible runs: drafting costs a fifth of a
+    step and each verified token a twentieth, about what a memory-bound GPU shows."""
+    return 1.0 if width == 1 else 1.2 + 0.05 * (width - 1)
+
+
+class WidthPolicy:
+    """Adaptive verify width; see the module docstring.
+
+    Args:
+        max_width: the drafter's block size (the widest block it drafts).
+        first_width: the width of the first cycle, before anything is measured.
+        decay: weight kept by acceptance counts from one cycle to the next (memory ~ 1/(1-decay) cycles).
+        prior: acceptance assumed for slot 1 before any data; `prior_weight` is its weight in observations.
+        smoothing: weight of a new cycle time in its width's running cost.
+        plain_guess: c(1) / c(cheapest measured width) assumed until plain decoding is measured.
+        probe_budget: fraction of decoding time that probes may cost beyond the chosen width's cycles.
+        expire: cycles after which a width's cost measurement is dropped.
+        cost: a fixed cost per width used instead of the measured seconds (e.g. `nominal_cost`): the choices then
+            depend on acceptance alone, so a seeded sampling run reproduces whatever the machine's speed.
+    """
+
+    def __init__(self, max_width: int, *, first_width: int = 4, decay: float = 0.98, prior: float = 0.5,
+                 prior_weight: float = 0.5, smoothing: float = 0.3, plain_guess: float = 0.6,
+                 probe_budget: float = 0.03, expire: int = 512, cost: Optional[Callable[[int], float]] = None):
+        if max_width < 1:
+            raise ValueError(f"max_width must be >= 1, got {max_width}")
+        self.max_width = max_width
+        self.first_width = max(1, min(first_width, max_width))
+        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        self.smoothing, self.plain_guess = smoothing, plain_guess
+        self.probe_budget, self.expire = probe_budget, expire
+        self.fixed_cost = cost
+        self.hits = [0.0] * max_width  # index i: slot i (1..max_width-1); index 0 unused
+        self.trials = [0.0] * max_width
+        self.costs: Dict[int, Tuple[float, int]] = {}  # width -> (seconds per cycle, cycle index measured)
+        self.cycles = 0
+        self.savings = 0.0  # seconds saved up for probes
+        self.probe: Optional[int] = None  # width of the probe in flight
+        self.funded = False  # the last probe had drafts accepted: probe again now
+
+    # -- estimates -----------------------------------------------------------------------------------------------
+    def acceptance(self) -> List[float]:
+        """a_1 .. a_{max_width-1}: acceptance of each slot given the slots before it were accepted."""
+        rates, previous = [], self.prior
+        for i in range(1, self.max_width):
+            previous = (self.hits[i] + self.prior_weight * previous) / (self.trials[i] + self.prior_weight)
+            rates.append(previous)
+        return rates
+
+    def expected_tokens(self, rates: Optional[List[float]] = None) -> List[float]:
+        """E(w) for w = 1..max_width (index w-1): tokens a cycle of width w commits on average."""
+        rates = self.acceptance() if rates is None else rates
+        expected, run = [1.0], 1.0
+        for a in rates:
+            run *= a
+            expected.append(expected[-1] + run)
+        return expected
+
+    def cost(self, width: int) -> Optional[float]:
+        """Estimated seconds of a cycle at `width` (None before any measurement)."""
+        measured = sorted((w, c) for w, (c, _) in self.costs.items())
+        if not measured:
+            return None
+        table = dict(measured)
+        if width in table:
+            return table[width]
+        drafting = [(w, c) for w, c in measured if w > 1]
+        if width == 1:
+            return self.plain_guess * min(c for _, c in drafting)
+        if not drafting:
+            return table[1]
+        below = [(w, c) for w, c in drafting if w < width] or [(1, table.get(1, drafting[0][1]))]
+        above = [(w, c) for w, c in drafting if w > width]
+        if not above:
+            return below[-1][1]  # flat above the widest measured width: optimistic, so it gets tried
+        (w0, c0), (w1, c1) = below[-1], above[0]
+        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+
+    def rates_per_second(self) -> List[float]:
+        """E(w) / c(w) for w = 1..max_width (index w-1)."""
+        expected = self.expected_tokens()
+        return [expected[w - 1] / max(self.cost(w), 1e-9) for w in range(1, self.max_width + 1)]
+
+    def best(self) -> int:
+        rates = self.rates_per_second()
+        top = max(rates)
+        return next(w for w in range(1, self.max_width + 1) if rates[w - 1] >= 0.99 * top)  # narrowest near-best
+
+    # -- the two calls the engine makes ------------------------------------------------------------------------
+    def choose(self) -> int:
+        if not self.costs or self.max_width == 1:
+            return self.first_width
+        width = self.best()
+        probe = min(self.max_width, max(2, 2 * width))
+        extra = self.cost(probe) - self.cost(width)
+        self.probe = None
+        if probe > width and (self.funded or self.savings >= extra):
+            if not self.funded:
+                self.savings -= max(extra, 0.0)
+            self.probe, self.funded = probe, False
+            return probe
+        return width
+
+    def record(self, width: int, accepted: int, seconds: float) -> None:
+        """One finished cycle: `accepted` drafts of a `width`-token block, `seconds` since the previous sync."""
+        if self.fixed_cost is not None:
+            seconds = self.fixed_cost(width)
+        self.cycles += 1
+        # Savings are capped at one widest cycle, so a long wide stretch does not buy a burst of probes later.
+        self.savings = min(self.savings + self.probe_budget * seconds, self.cost(self.max_width) or seconds)
+        old = self.costs.get(width)
+        fresh = old is None or self.cycles - old[1] > self.expire
+        value = seconds if fresh else (1 - self.smoothing) * old[0] + self.smoothing * seconds
+        self.costs[width] = (value, self.cycles)
+        self.costs = {w: v for w, v in self.costs.items() if self.cycles - v[1] <= self.expire}
+        self.funded = self.probe == width and accepted > 0
+        self.trials = [self.decay * t for t in self.trials]
+        self.hits = [self.decay * h for h in self.hits]
+        # Slots 1..accepted were accepted; slot accepted+1 (if drafted) was the first rejection.
+        for i in range(1, min(accepted + 1, width - 1) + 1):
+            self.trials[i] += 1.0
+            self.hits[i] += 1.0 if i <= accepted else 0.0
