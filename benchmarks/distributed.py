@@ -266,9 +266,9 @@ def main() -> int:
         if args.tiny:
             pairs = _tiny_models(Path(tmp))
         else:
-            from dflash_mlx.api import _resolve_name
+            from dflash_mlx.loading import resolve_name
 
-            target, drafter = _resolve_name(args.model, None, args.draft) if not Path(args.model).exists() \
+            target, drafter = resolve_name(args.model, None, args.draft) if not Path(args.model).exists() \
                 else (args.model, args.draft)
             pairs = {args.model: (str(target), str(drafter))}
         for name, (target_dir, drafter_dir) in pairs.items():

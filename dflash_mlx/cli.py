@@ -51,15 +51,18 @@ PIPELINE_HELP = ("Under mlx.launch: split the target's layers into stages across
                  "every layer by heads (models with mlx-lm pipeline support, e.g. Qwen3.5).")
 
 
-def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool):
-    """api.load, or under `mlx.launch` the target split over the ranks (docs/distributed.md); rank 0 prints."""
+def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool, seed: Optional[int]):
+    """api.load, or under `mlx.launch` the target split over the ranks (docs/distributed.md); rank 0 prints.
+
+    Returns (target, tokenizer, drafter, seed): ranks get a seed drawn alike, so they draw and pace alike."""
     from . import api, distributed
 
     if distributed.launched():
-        return distributed.load(model, draft, quant=quant, pipeline=pipeline)
+        loaded = distributed.load(model, draft, quant=quant, pipeline=pipeline)
+        return (*loaded, distributed.shared_seed() if seed is None else seed)
     if pipeline:
         raise DFlashError("--pipeline splits a model over several machines: start the command with mlx.launch")
-    return api.load(model, draft, quant=quant)
+    return (*api.load(model, draft, quant=quant), seed)
 
 
 @app.command()
@@ -91,7 +94,7 @@ def generate(
         raise DFlashError("--max-tokens must be positive (or -1 for no limit)")
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
-    target, tokenizer, drafter = _load(model, draft, quant, pipeline)
+    target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
     if verbose:
@@ -127,9 +130,9 @@ def chat(
 
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)
+    target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     if seed is not None:
         sampling["seed"] = seed
-    target, tokenizer, drafter = _load(model, draft, quant, pipeline)
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
                           block_size=block_size, sampling=sampling, thinking=thinking)
     if history is not None:

@@ -24,17 +24,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cache_compare import assert_caches_equal  # noqa: E402
 from tiny import SteeredDFlashDrafter, corrupt_every  # noqa: E402
 
-from dflash_mlx.api import prepare  # noqa: E402
+from dflash_mlx.acceptance import make_acceptor  # noqa: E402
 from dflash_mlx.drafter_io import read_config, read_weights  # noqa: E402
 from dflash_mlx.engine import DecodeState, dflash_generate_step  # noqa: E402
-from dflash_mlx.sampling import make_acceptor  # noqa: E402
+from dflash_mlx.distributed import agree_on_width  # noqa: E402
+from dflash_mlx.loading import prepare  # noqa: E402
+from dflash_mlx.width import WidthPolicy  # noqa: E402
 
 
 def _run(target, drafter, prompt: List[int], spec: Dict[str, Any], sampling: Dict[str, Any],
-         stop_after: int = 0):
+         stop_after: int = 0, adaptive: bool = False):
     state = DecodeState(target.make_cache(), drafter.make_cache())
+    # Adaptive: widths from measured cycle times, which every rank must take from the same clock.
+    width = agree_on_width(WidthPolicy(spec["block_size"])) if adaptive else None
     gen = dflash_generate_step(mx.array(prompt, dtype=mx.int32), target, drafter, max_tokens=spec["max_tokens"],
-                               block_size=spec["block_size"], state=state, acceptor=make_acceptor(**sampling))
+                               block_size=None if adaptive else spec["block_size"], state=state,
+                               acceptor=make_acceptor(**sampling), width=width)
     cycles: List[List[int]] = []
     for cycle in gen:
         cycles.append(cycle.tokens)
@@ -100,11 +105,13 @@ def run_scenarios(model, drafter, spec: Dict[str, Any]) -> Dict[str, Any]:
     sampled, _ = _run(target, drafter, prompt, spec, dict(temp=spec["temp"], top_p=0.95, seed=spec["seed"]))
     # No seed: drawn from MLX's global generator, which `setup` seeded alike on every rank.
     unseeded, _ = _run(target, drafter, prompt, spec, dict(temp=spec["temp"]))
+    adaptive, _ = _run(target, drafter, prompt, spec, {}, adaptive=True)
     return {
         "greedy": [t for c in greedy for t in c],
         "greedy_cycles": len(greedy),
         "sampled": [t for c in sampled for t in c],
         "unseeded": [t for c in unseeded for t in c],
+        "adaptive": [t for c in adaptive for t in c],
         "early_stop": early_stop_exact(target, drafter, prompt, spec),
         "parameters": sum(p.size for _, p in tree_flatten(model.parameters())),
     }

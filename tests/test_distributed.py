@@ -19,7 +19,7 @@ from mlx_lm.utils import load_model, save_config, save_model
 
 from cache_compare import CONFIGS as FAMILY_CONFIGS
 from cache_compare import randomize
-from dflash_mlx.api import prepare
+from dflash_mlx.loading import prepare
 from dflash_mlx.distributed.local import run_local
 from dflash_mlx.drafter_io import save_drafter
 from tiny import TARGET_CONFIGS, greedy, make_drafter
@@ -109,6 +109,8 @@ def test_two_ranks_equal_single_process(pairs, ranks, kind, mode):
         assert r["early_stop"]["drafter"] == "exact", f"rank {r['rank']}: {r['early_stop']['drafter']}"
     assert both[0]["greedy_cycles"] == both[1]["greedy_cycles"] == single["greedy_cycles"]
     assert both[0]["unseeded"] == both[1]["unseeded"]  # the ranks agree on a seed nobody gave
+    # Adaptive widths from rank 0's clock on every rank: same widths, and greedy output stays the target's own.
+    assert both[0]["adaptive"] == both[1]["adaptive"] == single["greedy"]
     # Every rank drafts from the same whole features (tensor parallel: summed; pipeline: exchanged).
     assert both[0]["early_stop"]["drafter_digest"] == both[1]["early_stop"]["drafter_digest"]
     if mode == "pipeline":  # stages split no matmul, so the features are the single process's, bit for bit

@@ -75,9 +75,10 @@ def _one_line_error(results, *needles):
 
 
 def test_pipeline_ranks_print_the_single_process_output_once(hybrid_pair, capsys):
-    # Tensor parallel end to end: test_chat_under_mlx_launch_replies_like_one_process.
+    # Greedy with no seed: the width of each pass is adaptive, so the ranks must choose alike (they pace their
+    # widths by a seed drawn alike). Tensor parallel end to end: test_chat_under_mlx_launch_replies_like_one_process.
     target, drafter = hybrid_pair
-    argv = [*GENERATE, "--model", str(target), "--draft", str(drafter), "--temp", "1.0", "--seed", "3"]
+    argv = [*GENERATE, "--model", str(target), "--draft", str(drafter)]
     capsys.readouterr()
     assert main(argv) == 0
     single = capsys.readouterr().out

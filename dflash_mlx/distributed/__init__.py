@@ -19,9 +19,9 @@ Modules: `group` (joining the group, shared seed, rank-0 output), `sharding` (ch
 this machine, for tests and benchmarks).
 """
 
-from .group import launched, setup
+from .group import SharedClock, agree_on_width, launched, setup, shared_seed
 from .pipeline import FeatureExchange, PipelineTarget
 from .sharding import check_shardable, load, load_sharded_model, shard_model
 
-__all__ = ["FeatureExchange", "PipelineTarget", "check_shardable", "launched", "load", "load_sharded_model",
-           "setup", "shard_model"]
+__all__ = ["FeatureExchange", "PipelineTarget", "SharedClock", "agree_on_width", "check_shardable", "launched",
+           "load", "load_sharded_model", "setup", "shard_model", "shared_seed"]

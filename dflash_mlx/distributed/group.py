@@ -30,6 +30,7 @@ TIMEOUT_ENV = "DFLASH_MLX_CONNECT_TIMEOUT"
 _RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 _group: Optional[mx.distributed.Group] = None
+_seed: Optional[int] = None
 
 
 def launched() -> bool:
@@ -119,15 +120,45 @@ def quiet_unless_rank0(group: mx.distributed.Group) -> None:
 
 def setup(backend: str = "any", timeout: Optional[float] = None, quiet: bool = True) -> mx.distributed.Group:
     """Once per process: join the group, share the seed, leave the output to rank 0. Returns the group."""
-    global _group
+    global _group, _seed
     if _group is None:
         group = init_group(backend, timeout)
         if group.size() > 1:
-            share_seed(group)
+            _seed = share_seed(group)
             if quiet:
                 quiet_unless_rank0(group)
         _group = group
     return _group
+
+
+def shared_seed() -> Optional[int]:
+    """The seed every rank drew alike in `setup` (None outside a group of several ranks)."""
+    return _seed
+
+
+class SharedClock:
+    """A width policy fed rank 0's cycle times on every rank, so that every rank chooses the same widths.
+
+    An adaptive width policy learns from measured seconds per cycle; each rank measures its own, and ranks that
+    chose different widths would verify blocks of different sizes and never meet in the same collectives again.
+    Costs one 4-byte all-sum per cycle.
+    """
+
+    def __init__(self, policy, group: mx.distributed.Group):
+        self.policy, self.group = policy, group
+
+    def choose(self) -> int:
+        return self.policy.choose()
+
+    def record(self, width: int, accepted: int, seconds: float) -> None:
+        mine = seconds if self.group.rank() == 0 else 0.0
+        shared = mx.distributed.all_sum(mx.array(mine, dtype=mx.float32), group=self.group, stream=mx.cpu)
+        self.policy.record(width, accepted, float(shared.item()))
+
+
+def agree_on_width(policy):
+    """`policy` as every rank must run it: wrapped in `SharedClock` inside a group of several ranks."""
+    return SharedClock(policy, _group) if _group is not None and _group.size() > 1 else policy
 
 
 def barrier(group: mx.distributed.Group) -> None:

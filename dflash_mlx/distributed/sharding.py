@@ -102,10 +102,10 @@ def _local_files(target: str, drafter: Optional[str], quant: Optional[str], revi
     """Resolve names and fetch files exactly as `dflash_mlx.load` does (offline names, registry, hub)."""
     from mlx_lm.utils import _download
 
-    from .. import api, registry
+    from ..loading import drafter_location, is_short_name, resolve_name
 
-    if registry.looks_like_short_name(target) and not Path(target).expanduser().exists():
-        target, drafter = api._resolve_name(target, quant, drafter)
+    if is_short_name(target):
+        target, drafter = resolve_name(target, quant, drafter)
     elif quant is not None:
         raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models')")
     if drafter is None:
@@ -117,7 +117,7 @@ def _local_files(target: str, drafter: Optional[str], quant: Optional[str], revi
         path = local if local.exists() else _download(target, revision=revision)
     except Exception as e:  # hub errors (offline, unknown repo) come in many types
         raise DFlashError(f"could not fetch target '{target}': {type(e).__name__}: {e}") from e
-    return path, api._drafter_location(drafter, draft_revision)
+    return path, drafter_location(drafter, draft_revision)
 
 
 def load(
@@ -142,8 +142,8 @@ def load(
     """
     from mlx_lm.utils import load_tokenizer
 
-    from ..api import prepare
     from ..drafter_io import load_drafter
+    from ..loading import prepare
 
     group = setup()
     with rank0_first(group):  # downloads and drafter conversions write one shared cache
