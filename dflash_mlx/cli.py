@@ -169,15 +169,13 @@ def convert(
 
     if source is None or out is None:
         raise DFlashError("convert needs SOURCE and OUT (or --gguf FILE OUT, or --target DIR_OR_REPO OUT)")
-    dtype = dtype or "bf16"
+    from .loading import dtype_name
+
+    dtype = dtype_name(dtype or "bf16")
     q_bits = 4 if q_bits is None else q_bits
-    dtypes = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-              "fp32": "float32", "float32": "float32"}
-    if dtype not in dtypes:
-        raise DFlashError(f"--dtype {dtype!r} is not one of bf16, fp16, fp32")
     if quantize and q_bits not in (4, 8):
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
-    path = convert_drafter(source, out, dtype=dtypes[dtype], q_bits=q_bits if quantize else None,
+    path = convert_drafter(source, out, dtype=dtype, q_bits=q_bits if quantize else None,
                            q_group_size=q_group_size, revision=revision)
     typer.echo(f"wrote {path}")
 

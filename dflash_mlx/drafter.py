@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from .config import DFlashConfig
 from .errors import DFlashError
+from .metal.block_attention import block_attention
 
 
 def _qwen3_args(config: DFlashConfig) -> qwen3.ModelArgs:
@@ -63,24 +64,9 @@ class DraftAttention(qwen3.Attention):
         v = self.v_proj(x).reshape(1, B, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.rope(q, offset=start), self.rope(k, offset=start)
         ctx_k, ctx_v = cache.keys_and_values()
-        first = 0
-        if self.sliding_window is not None:
-            first = max(start - (self.sliding_window - 1), 0)  # the oldest context key slot 0 can see
-            ctx_k, ctx_v = ctx_k[:, :, first:], ctx_v[:, :, first:]
-        keys = mx.concatenate([ctx_k, k], axis=2)
-        values = mx.concatenate([ctx_v, v], axis=2)
-        mask = None
-        if self.sliding_window is not None or self.block_causal:
-            n_ctx = start - first
-            slot = mx.arange(B)[:, None]
-            col = mx.arange(n_ctx + B)[None]
-            # Context: slot i (position start+i) sees positions above start+i-W; block: all slots or j <= i.
-            sees_ctx = col < n_ctx
-            if self.sliding_window is not None:
-                sees_ctx = sees_ctx & (first + col > start + slot - self.sliding_window)
-            sees_blk = (col >= n_ctx) & ((col - n_ctx <= slot) if self.block_causal else True)
-            mask = sees_ctx | sees_blk
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        # Context keys in a sliding window, block keys all or causal: see dflash_mlx.metal.block_attention.
+        out = block_attention(q, k, v, ctx_k, ctx_v, scale=self.scale, window=self.sliding_window,
+                              causal=self.block_causal)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
 

@@ -26,3 +26,22 @@ try:
     settings.load_profile("dflash")
 except ImportError:  # hypothesis is a dev extra; the property tests skip without it
     pass
+
+
+import pytest
+
+
+@pytest.fixture
+def metal_backend():
+    """Run dflash_mlx.metal kernels on real Metal where present, otherwise on the MSL emulator (tests/msl)."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        yield "metal"
+        return
+    from msl import emulator
+
+    if not emulator.supported():
+        pytest.skip("neither Metal nor the MSL emulator (Linux with g++: apt-get install g++)")
+    with emulator.installed():
+        yield "emulator"

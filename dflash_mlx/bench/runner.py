@@ -36,6 +36,7 @@ class BenchConfig:
     max_tokens: int = 128
     block_sizes: List[int] = field(default_factory=list)  # empty: the drafter's (16 for the oracle alone)
     adaptive: bool = True  # also run DFlash (and the oracle) with the width chosen every cycle, up to the widest
+    fixed_draft: bool = True  # run the drafter at each fixed block size too (the oracle always is)
     random_draft: bool = False  # also run a drafter of the same shape with random weights (adaptive only)
     num_draft_tokens: List[int] = field(default_factory=lambda: [3])
     temp: float = 0.0
@@ -102,7 +103,8 @@ def _build_methods(cfg: BenchConfig, model):
         target = prepare(model, drafter, probe=True)
         if cfg.adaptive:
             others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
-        others += [DFlashMethod(target, drafter, b, cfg.temp) for b in blocks]
+        if cfg.fixed_draft:
+            others += [DFlashMethod(target, drafter, b, cfg.temp) for b in blocks]
         if cfg.random_draft:
             noise = build_drafter(drafter.config)  # same shape, random weights: acceptance collapses
             mx.eval(noise.parameters())

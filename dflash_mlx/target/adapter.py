@@ -18,8 +18,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import DFlashError
+from ..metal import available as metal_available
+from ..metal.verify_qmm import use_verify_qmm
 from .families import Family, family_for, supported_model_types, text_lm
-from .hybrid import GatedDeltaCache, RecurrentRollback, ReplayRollback
+from .hybrid import GatedDeltaCache, RecurrentRollback, default_rollback
 from .rotating import WindowKVCache
 
 
@@ -53,7 +55,9 @@ class TargetModel:
         self.family: Family = family
         self.lm = text_lm(model)
         self.inner = family.inner(self.lm)
-        self.recurrent_rollback = recurrent_rollback or ReplayRollback()
+        self.recurrent_rollback = recurrent_rollback or default_rollback()
+        if metal_available():  # quantized layers: verify-width rows through the kernel (dflash_mlx.metal.verify_qmm)
+            use_verify_qmm(self.lm)
         self.tap_layer_ids: List[int] = []
         self.set_taps(tap_layer_ids)
 

@@ -8,7 +8,8 @@ Default scheme (docs/rollback.md, `ReplayRollback`): a write keeps the state it 
 recurrence inputs; dropping its newest n tokens re-runs only the recurrence over the kept prefix from that state,
 and the conv state is a slice of the recorded conv input. Both are bit-exact: the recurrence is sequential per
 step and elementwise in its gates, so a prefix replay computes the same numbers the write did.
-A scheme that needs its own verify kernel (a tape of per-step innovations, S3) subclasses `RecurrentRollback`.
+`TapeRollback` (S3, the default where Metal kernels run) has the verify pass write a tape of per-step innovations
+and replays only the kept steps' state updates; other schemes subclass `RecurrentRollback`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
 from ..errors import DFlashError
+from ..metal import available as metal_available
+from ..metal import gdn_tape
 
 
 @dataclass
@@ -201,3 +204,36 @@ def hybrid_call_layer(layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> m
     r = gated_delta_net(layer.linear_attn, layer.input_layernorm(h), mask, cache)
     h = h + r
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class TapeRollback(RecurrentRollback):
+    """S3: the verify pass also writes a tape (per-step decay g_t and innovation delta_t); rollback replays only the
+    kept steps' state updates from the pre-verify state. Kernels on Metal, pure MLX elsewhere (both bit-exact to
+    their own forward pass; see dflash_mlx.metal.gdn_tape). Padding masks fall back to `ReplayRollback`."""
+
+    name = "tape"
+
+    def advance(self, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel):
+        if mask is not None or q.shape[1] > self.max_record_tokens:  # nothing to tape: mlx-lm's fastest path
+            return _DEFAULT_ROLLBACK.advance(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel)
+        g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b)  # as gated_delta_update computes them
+        metal = use_kernel and gdn_tape.use_kernel(q, k, v, g)
+        y, state, delta = gdn_tape.gdn_tape(q, k, v, g, beta, state, metal=metal)
+        return y, state, (g, delta, metal)
+
+    def restore(self, write: GDNWrite, keep: int):
+        if keep == 0 or write.tape is None:
+            return _DEFAULT_ROLLBACK.restore(write, keep)
+        g, delta, metal = write.tape
+        state = write.state
+        if state is None:
+            B, _, Hv, Dv = write.v.shape
+            state = mx.zeros((B, Hv, Dv, write.k.shape[-1]), dtype=mx.float32)
+        state = gdn_tape.gdn_replay(write.k, g, delta, state, keep, metal=metal)
+        n_keep = write.conv_input.shape[1] - write.num_tokens
+        return mx.contiguous(write.conv_input[:, keep : keep + n_keep]), state
+
+
+def default_rollback() -> RecurrentRollback:
+    """The tape where Metal kernels run; elsewhere the replay, so nothing changes on the CPU backend."""
+    return TapeRollback() if metal_available() else ReplayRollback()

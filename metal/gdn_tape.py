@@ -1,0 +1,165 @@
+"""Gated DeltaNet verify with a tape, and the replay that rolls a hybrid target back to the accepted prefix.
+
+A verify block of T tokens advances each GatedDeltaNet layer's recurrent state; after acceptance only the first
+`keep` steps must count. `gdn_tape` runs the recurrence (the same numbers as mlx-lm's `gated_delta_update`) and
+also returns the tape: g (the decay) and delta_t = (v_t - S k_t) * beta_t, per step. `gdn_replay` rebuilds the
+state after `keep` steps from the pre-verify state with only S = g_t S, then S = S + delta_t k_t^T: no q, no
+kv read-out, no y, and, because it repeats the forward pass's own expressions on its own delta_t, the same bits.
+
+Shapes are mlx-lm's: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk].
+`*_reference` are pure MLX; `*_metal` the kernels (`gdn_tape.metal`); `gdn_tape` / `gdn_replay` dispatch.
+`TapeRollback` in `dflash_mlx.target.hybrid` plugs them into rollback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from .kernel_file import kernels_on, load_kernel_file
+
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+MAX_DK = 256
+
+
+@mx.compile
+def _tape_step(q, k, v, g, beta, state):
+    # As mlx-lm's per-step ops (scalar gate, no mask), op for op, plus delta as an output.
+    state = state * g[..., None, None]
+    kv_mem = (state * k[..., None, :]).sum(axis=-1)  # [B, H, Dv]
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    return y.astype(q.dtype), state, delta
+
+
+@mx.compile
+def _replay_step(k, g, delta, state):
+    state = state * g[..., None, None]
+    return state + k[..., None, :] * delta[..., None]
+
+
+def _zeros_state(k: mx.array, v: mx.array) -> mx.array:
+    B, _, _, Dk = k.shape
+    return mx.zeros((B, v.shape[2], v.shape[3], Dk), dtype=mx.float32)
+
+
+def _repeat_heads(x: mx.array, Hv: int) -> mx.array:
+    return mx.repeat(x, Hv // x.shape[-2], -2) if Hv != x.shape[-2] else x
+
+
+def gdn_tape_reference(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                       state: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, mx.array]:
+    """(y [B, T, Hv, Dv], state after T steps, delta [B, T, Hv, Dv] float32); y and state equal mlx-lm's ops path."""
+    state = _zeros_state(k, v) if state is None else state
+    Hv = v.shape[2]
+    q, k = _repeat_heads(q, Hv), _repeat_heads(k, Hv)
+    ys, deltas = [], []
+    for t in range(q.shape[1]):
+        y, state, delta = _tape_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+        deltas.append(delta)
+    return mx.stack(ys, axis=1), state, mx.stack(deltas, axis=1)
+
+
+def gdn_replay_reference(k: mx.array, g: mx.array, delta: mx.array, state: mx.array, keep: int) -> mx.array:
+    """The state after the first `keep` steps of a tape, starting from the state the tape started from."""
+    k = _repeat_heads(k, delta.shape[2])
+    for t in range(keep):
+        state = _replay_step(k[:, t], g[:, t], delta[:, t], state)
+    return state
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    from . import kernel  # the factory: mx.fast.metal_kernel on a Mac, the emulator in tests
+
+    src = load_kernel_file("gdn_tape.metal")
+    tape = kernel(
+        name="dflash_gdn_tape",
+        input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
+        output_names=["y", "state_out", "delta"],
+        source=src.bodies["dflash_gdn_tape"],
+        header=src.header,
+    )
+    tape_packed = kernel(
+        name="dflash_gdn_tape_packed",
+        input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
+        output_names=["y", "state_out", "delta"],
+        source=src.bodies["dflash_gdn_tape_packed"],
+        header=src.header,
+    )
+    replay = kernel(
+        name="dflash_gdn_replay",
+        input_names=["k", "g", "delta", "state_in", "keep"],
+        output_names=["state_out"],
+        source=src.bodies["dflash_gdn_replay"],
+        header=src.header,
+    )
+    return tape, tape_packed, replay
+
+
+def gdn_tape_metal(q, k, v, g, beta, state=None):
+    """The tape kernel; same arguments and results as `gdn_tape_reference`."""
+    state = _zeros_state(k, v) if state is None else state
+    B, T, _, _ = k.shape
+    Hv, Dv = v.shape[2:]
+    tape, tape_packed, _ = _kernels()
+    # mlx-lm's choice of layout, so that y and the state are the bits its own kernel gives.
+    packed = k.shape[3] == 128 and Dv % 8 == 0 and state.dtype == mx.float32 and \
+        os.environ.get("MLX_GDN_PACKED", "1") != "0"
+    y, state_out, delta = (tape_packed if packed else tape)(
+        inputs=[q, k, v, g.astype(mx.float32), beta, state, T],
+        template=[("InT", q.dtype), ("StT", state.dtype)],
+        grid=(32, Dv // 8, B * Hv) if packed else (32, Dv, B * Hv),
+        threadgroup=(32, 2, 1) if packed else (32, 4, 1),
+        output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv)],
+        output_dtypes=[q.dtype, state.dtype, mx.float32],
+    )
+    return y, state_out, delta
+
+
+def gdn_replay_metal(k, g, delta, state, keep):
+    """The replay kernel; same arguments and result as `gdn_replay_reference`."""
+    B, _, _, Dk = k.shape
+    Hv, Dv = delta.shape[2:]
+    _, _, replay = _kernels()
+    (state_out,) = replay(
+        inputs=[k, g.astype(mx.float32), delta, state, keep],
+        template=[("StT", state.dtype)],
+        grid=(Dk, Dv, B * Hv),
+        threadgroup=(min(Dk, 32), 8, 1),
+        output_shapes=[state.shape],
+        output_dtypes=[state.dtype],
+    )
+    return state_out
+
+
+def kernel_supports(q: mx.array, k: mx.array, v: mx.array, g: mx.array, mask: Optional[mx.array]) -> bool:
+    """Shapes the kernels handle: scalar gates, no padding mask, 32 <= Dk <= 256 with Dk % 32 == 0."""
+    Dk = k.shape[-1]
+    return (mask is None and g.ndim == 3 and q.dtype in DTYPES and Dk % 32 == 0 and 32 <= Dk <= MAX_DK
+            and v.shape[2] % k.shape[2] == 0)
+
+
+def use_kernel(q: mx.array, k: mx.array, v: mx.array, g: mx.array, mask: Optional[mx.array] = None) -> bool:
+    """Whether the dispatchers run the kernels: Metal kernels on, a GPU stream, a supported shape."""
+    return kernels_on() and kernel_supports(q, k, v, g, mask)
+
+
+def gdn_tape(q, k, v, g, beta, state=None, *, metal: bool):
+    """The dispatcher for a verify pass (`metal` from `use_kernel`): kernel or reference."""
+    if metal:
+        return gdn_tape_metal(q, k, v, g, beta, state)
+    return gdn_tape_reference(q, k, v, g, beta, state)
+
+
+def gdn_replay(k, g, delta, state, keep, *, metal: bool):
+    """The dispatcher for rollback; `metal` must be what the tape was written with: each replay repeats its own
+    forward pass's arithmetic."""
+    if metal:
+        return gdn_replay_metal(k, g, delta, state, keep)
+    return gdn_replay_reference(k, g, delta, state, keep)

@@ -1,0 +1,1 @@
+"""MSL emulation harness: runs dflash_mlx.metal kernels on the CPU with GPU semantics (tests only)."""
