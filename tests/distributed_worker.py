@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -61,6 +62,9 @@ def early_stop_exact(target, drafter, prompt: List[int], spec: Dict[str, Any]) -
     drafter's context keys, which must agree across ranks (every rank drafts from whole features).
     """
     cycles, state = _run(target, drafter, prompt, spec, {}, stop_after=spec["stop_after"])
+    # The abandoned cycle may still be running on the engine's stream: collectives issued on another stream now
+    # could interleave with its own and pair up differently on the two ranks.
+    mx.synchronize(generation_stream)
     committed = [t for c in cycles for t in c][:-1]  # the newest token is the next block's slot 0: not cached
     if state.pending_context is not None:
         drafter.append_context(state.pending_context, state.draft_cache)

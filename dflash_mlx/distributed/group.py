@@ -151,8 +151,11 @@ class SharedClock:
         return self.policy.choose()
 
     def record(self, width: int, accepted: int, seconds: float) -> None:
+        from mlx_lm.generate import generation_stream
+
         mine = seconds if self.group.rank() == 0 else 0.0
-        shared = mx.distributed.all_sum(mx.array(mine, dtype=mx.float32), group=self.group, stream=mx.cpu)
+        # On the engine's stream: queued behind whatever collectives it still has in flight, on every rank alike.
+        shared = mx.distributed.all_sum(mx.array(mine, dtype=mx.float32), group=self.group, stream=generation_stream)
         self.policy.record(width, accepted, float(shared.item()))
 
 
