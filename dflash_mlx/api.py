@@ -26,6 +26,7 @@ from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
 from .loading import load, prepare
 from .stats import AcceptanceStats, CollapseWatch
+from .distributed.group import agree_on_width
 from .width import Width, WidthPolicy, nominal_cost
 
 __all__ = ["DFlashResponse", "generate", "load", "prepare", "stream_generate"]
@@ -127,6 +128,7 @@ def stream_generate(
         # A seed must reproduce the output, so then the widths follow acceptance alone, not the clock.
         seeded = sampling.get("seed") is not None
         width = WidthPolicy(drafter.block_size, cost=nominal_cost if seeded else None)
+        width = agree_on_width(width)  # several ranks (mx.distributed) must choose alike; a no-op on one machine
     stats = AcceptanceStats(adaptive=adaptive)
     cycles = dflash_generate_step(ids, target, drafter, max_tokens=max_tokens, block_size=block_size,
                                   stop_tokens=eos, prefill_step_size=prefill_step_size, state=state,

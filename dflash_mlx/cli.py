@@ -66,6 +66,24 @@ def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bo
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
 
 
+PIPELINE_HELP = ("Under mlx.launch: split the target's layers into stages across the ranks instead of splitting "
+                 "every layer by heads (models with mlx-lm pipeline support, e.g. Qwen3.5).")
+
+
+def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool, seed: Optional[int]):
+    """api.load, or under `mlx.launch` the target split over the ranks (docs/distributed.md); rank 0 prints.
+
+    Returns (target, tokenizer, drafter, seed): ranks get a seed drawn alike, so they draw and pace alike."""
+    from . import console, distributed
+
+    if distributed.launched():
+        loaded = distributed.load(model, draft, quant=quant, pipeline=pipeline)
+        return (*loaded, distributed.shared_seed() if seed is None else seed)
+    if pipeline:
+        raise DFlashError("--pipeline splits a model over several machines: start the command with mlx.launch")
+    return (*console.load_checked(model, draft, quant), seed)
+
+
 @app.command()
 def generate(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
@@ -85,6 +103,7 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
     from . import console
@@ -94,7 +113,7 @@ def generate(
     check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
-    target, tokenizer, drafter = console.load_checked(model, draft, quant)
+    target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     console.warn_before_run(target, drafter, len(ids), block_size)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
@@ -123,6 +142,7 @@ def chat(
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking",
                                             help="Thinking mode for models whose template has one; /think toggles."),
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
     from . import console
@@ -133,12 +153,12 @@ def chat(
     check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)
-    if seed is not None:
-        sampling["seed"] = seed
     if history is not None and not history.expanduser().is_file():
         raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
-    target, tokenizer, drafter = console.load_checked(model, draft, quant)
+    target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     console.warn_before_run(target, drafter, 0, block_size)
+    if seed is not None:
+        sampling["seed"] = seed
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
                           block_size=block_size, sampling=sampling, thinking=thinking)
     if history is not None:

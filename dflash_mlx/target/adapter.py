@@ -33,6 +33,16 @@ def model_type_of(model: nn.Module) -> Optional[str]:
 class TargetModel:
     """An mlx-lm causal LM plus the bookkeeping DFlash needs: tapped forward, rollback, embedding and head."""
 
+    stage_aware = False  # whether this class runs one stage of a pipeline-parallel model
+
+    def __new__(cls, model: nn.Module, *args, **kwargs):
+        # A model split into pipeline stages (mlx-lm's `pipeline()`) gets the stage-aware subclass.
+        if not cls.stage_aware and getattr(getattr(text_lm(model), "model", None), "pipeline_size", 1) > 1:
+            from ..distributed.pipeline import PipelineTarget
+
+            cls = PipelineTarget
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int] = (),
                  recurrent_rollback: Optional[RecurrentRollback] = None):
         model_type = model_type_of(model)
@@ -45,8 +55,6 @@ class TargetModel:
         self.family: Family = family
         self.lm = text_lm(model)
         self.inner = family.inner(self.lm)
-        if getattr(self.inner, "pipeline_size", 1) > 1:
-            raise DFlashError("pipeline-parallel targets are not supported")
         self.recurrent_rollback = recurrent_rollback or default_rollback()
         if metal_available():  # quantized layers: verify-width rows through the kernel (dflash_mlx.metal.verify_qmm)
             use_verify_qmm(self.lm)

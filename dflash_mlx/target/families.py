@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask, gather_last_axis
 
 from .hybrid import hybrid_call_layer
 
@@ -39,7 +39,8 @@ def _head(lm: nn.Module, inner: nn.Module, h: mx.array) -> mx.array:
     # Untied models carry `lm_head`; tied ones reuse the embedding (quantized or not) as a linear map.
     # A final logit soft-cap, where the model has one, is applied by the adapter.
     if "lm_head" in lm:
-        return lm.lm_head(h)
+        group = getattr(lm, "sharding_group", None)  # a tensor-parallel head computes this rank's vocab slice
+        return lm.lm_head(h) if group is None else gather_last_axis(lm.lm_head(h), group)
     return inner.embed_tokens.as_linear(h)
 
 

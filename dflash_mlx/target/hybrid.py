@@ -150,8 +150,6 @@ _DEFAULT_ROLLBACK = ReplayRollback()
 
 def gated_delta_net(attn: nn.Module, x: mx.array, mask: Optional[mx.array], cache: Optional[Any]) -> mx.array:
     """mlx-lm's GatedDeltaNet forward (qwen3_5 and qwen3_next layouts) that records each cached write."""
-    if getattr(attn, "sharding_group", None) is not None:
-        raise DFlashError("tensor-parallel (sharded) hybrid targets are not supported")
     B, S, _ = x.shape
     project = _project_qwen3_next if "in_proj_qkvz" in attn else _project_qwen3_5
     qkv, z, b, a = project(attn, x)
@@ -193,7 +191,10 @@ def gated_delta_net(attn: nn.Module, x: mx.array, mask: Optional[mx.array], cach
             cache.record(write)
 
     out = attn.norm(out, z)
-    return attn.out_proj(out.reshape(B, S, -1))
+    out = attn.out_proj(out.reshape(B, S, -1))
+    # Tensor parallel (mlx-lm's `shard`): this rank ran its share of the heads; the layer output is their sum.
+    group = getattr(attn, "sharding_group", None)
+    return out if group is None else mx.distributed.all_sum(out, group=group)
 
 
 def hybrid_call_layer(layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.array:

@@ -1,0 +1,180 @@
+"""`dflash-mlx generate` and `chat` started as 2 ranks (as `mlx.launch` starts them, and by `mlx.launch` itself):
+rank 0 prints the single process's output, rank 1 prints nothing, and every user mistake ends in one line on
+rank 0 and a clean exit on every rank."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlx_lm.utils import save_config, save_model
+
+from cache_compare import CONFIGS, build
+from dflash_mlx.cli import main
+from dflash_mlx.demo import make_tiny_pair
+from dflash_mlx.distributed.local import free_ports, run_local, write_hostfile
+from dflash_mlx.drafter_io import save_drafter
+from tiny import make_drafter
+
+LIMIT = 120  # seconds per launch (a shared, loaded machine is slow; a hang is killed)
+GENERATE = ["generate", "--prompt", "Hello there", "--max-tokens", "16", "--ignore-chat-template"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+def _save(model, config: dict, out: Path) -> Path:
+    out.mkdir(parents=True)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(pair, tmp_path_factory):
+    """A tiny random qwen3_5 target (it has pipeline support) with the tiny pair's tokenizer, and a drafter."""
+    root = tmp_path_factory.mktemp("hybrid")
+    vocab = json.loads((pair[0] / "config.json").read_text())["vocab_size"]
+    config = json.loads(json.dumps(CONFIGS["qwen3_5"]))
+    config["text_config"]["vocab_size"] = vocab
+    model = build("qwen3_5", text_config=config["text_config"])
+    target = _save(model, config, root / "target")
+    for f in pair[0].iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja" or f.name == "special_tokens_map.json":
+            shutil.copy(f, target / f.name)
+    drafter, _ = make_drafter(model, block_size=4, mask_token_id=vocab - 1, vocab_size=vocab)
+    return target, save_drafter(drafter, root / "drafter")
+
+
+def _cli(*argv, ranks: int = 2, **kwargs):
+    results = run_local([sys.executable, "-m", "dflash_mlx.cli", *argv], ranks=ranks, timeout=LIMIT, **kwargs)
+    for r in results:
+        assert not r.timed_out, f"rank {r.rank} hung: {r.stderr[-2000:]}"
+    return results
+
+
+def _one_line_error(results, *needles):
+    """Rank 0: exit 2 and one 'error:' line naming the problem; the other ranks: exit 2, silent."""
+    first, *others = results
+    lines = [line for line in first.stderr.splitlines() if line.strip()]
+    assert first.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), first.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    for r in others:
+        assert r.returncode == 2, r.stderr
+        assert r.stdout == r.stderr == "", (r.stdout, r.stderr)
+
+
+def test_pipeline_ranks_print_the_single_process_output_once(hybrid_pair, capsys):
+    # Greedy with no seed: the width of each pass is adaptive, so the ranks must choose alike (they pace their
+    # widths by a seed drawn alike). Tensor parallel end to end: test_chat_under_mlx_launch_replies_like_one_process.
+    target, drafter = hybrid_pair
+    argv = [*GENERATE, "--model", str(target), "--draft", str(drafter)]
+    capsys.readouterr()
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    rank0, rank1 = _cli(*argv, "--pipeline")
+    assert rank0.returncode == rank1.returncode == 0, rank0.stderr + rank1.stderr
+    assert rank0.stdout == single and len(single.strip()) > 0
+    assert rank1.stdout == rank1.stderr == ""
+
+
+def test_model_without_tensor_parallel_support(pair, tmp_path):
+    target = _save(build("qwen3_next"), CONFIGS["qwen3_next"], tmp_path / "qwen3_next")
+    _one_line_error(_cli(*GENERATE, "--model", str(target), "--draft", str(pair[1])),
+                    "qwen3_next", "cannot be split by heads", "--pipeline")
+
+
+def test_unreachable_rank_times_out_with_one_line(pair, tmp_path):
+    # The hostfile names 2 ranks; only rank 0 is started, so its peer never connects.
+    hostfile = write_hostfile(tmp_path / "hosts.json", 2)
+    (rank0,) = _cli(*GENERATE, "--model", str(pair[0]), "--draft", str(pair[1]), ranks=1, hostfile=hostfile,
+                    env={"DFLASH_MLX_CONNECT_TIMEOUT": "2"})
+    _one_line_error([rank0], "could not reach the other ranks within 2 s", "DFLASH_MLX_CONNECT_TIMEOUT")
+    assert json.loads(hostfile.read_text())  # the hostfile named the missing peer
+
+
+# The checks behind those lines, in process (each 2-rank launch costs seconds).
+@pytest.mark.parametrize("kind,changes,pipeline,needles", [
+    ("qwen3_next", {}, False, ["'qwen3_next' cannot be split by heads", "use --pipeline"]),
+    ("gemma3_text", {}, False, ["cannot be split by heads", "run it on one machine"]),
+    ("gemma3_text", {}, True, ["'gemma3_text' cannot be split into pipeline stages", "drop --pipeline"]),
+    ("qwen3_moe", {"num_attention_heads": 3, "num_key_value_heads": 1}, False, ["num_attention_heads (3)", "(3)"]),
+    ("qwen3_moe", {"num_key_value_heads": 1}, False, ["num_key_value_heads (1)"]),
+    ("qwen3_moe", {"moe_intermediate_size": 33}, False, ["moe_intermediate_size (33)", "(3, 11)"]),
+])
+def test_shardability_checks(kind, changes, pipeline, needles):
+    from dflash_mlx.distributed import check_shardable
+    from dflash_mlx.errors import DFlashError
+
+    with pytest.raises(DFlashError) as e:
+        check_shardable(build(kind, **changes), 2, pipeline=pipeline)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)
+
+
+def test_shardable_models_pass_the_checks():
+    from dflash_mlx.distributed import check_shardable
+
+    for kind in ("qwen3_5", "qwen3_moe", "deepseek_v3", "gpt_oss"):
+        check_shardable(build(kind), 2)
+    # qwen3_5 copies a key/value head to each rank when there are more ranks than heads.
+    one_kv_head = dict(CONFIGS["qwen3_5"]["text_config"], num_key_value_heads=1)
+    check_shardable(build("qwen3_5", text_config=one_kv_head), 2)
+    check_shardable(build("qwen3_next"), 2, pipeline=True)
+    check_shardable(build("qwen3_5"), 4, pipeline=True)
+
+
+def test_pipeline_without_a_launcher_is_one_line(pair, capsys):
+    code = main([*GENERATE, "--model", str(pair[0]), "--draft", str(pair[1]), "--pipeline"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "mlx.launch" in err, err
+
+
+def _mlx_launch():
+    for candidate in (shutil.which("mlx.launch"), Path(sys.executable).parent / "mlx.launch",
+                      Path(sys.base_prefix) / "bin" / "mlx.launch"):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return None
+
+
+def _run_with_limit(argv, stdin: str) -> subprocess.CompletedProcess:
+    # Bytes, not text mode: text mode would turn a generated "\r" into "\n".
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(stdin.encode(), timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the launcher and the ranks it started
+        out, err = p.communicate()
+        pytest.fail(f"{argv[0]} hung: {err.decode(errors='replace')[-2000:]}")
+    return subprocess.CompletedProcess(argv, p.returncode, out.decode(errors="replace"),
+                                       err.decode(errors="replace"))
+
+
+@pytest.mark.skipif(_mlx_launch() is None, reason="MLX's launcher (mlx.launch) is not installed")
+def test_chat_under_mlx_launch_replies_like_one_process(pair, monkeypatch, capsys):
+    """The real launcher, tensor parallel: it starts 2 ring ranks and copies the typed lines to both; rank 0
+    replies exactly as one process does, once."""
+    options = ["--model", str(pair[0]), "--draft", str(pair[1]), "--max-tokens", "12", "--temp", "1.0", "--seed", "1"]
+    typed = "Hello there\n/exit\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
+    capsys.readouterr()
+    assert main(["chat", *options]) == 0
+    single = capsys.readouterr().out
+    port = free_ports(1)[0]  # the launcher listens on this port and the next
+    launched = _run_with_limit([_mlx_launch(), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+                                "--starting-port", str(port), "--", sys.executable, "-m", "dflash_mlx.cli", "chat",
+                                *options], typed)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.stdout == single and "dflash-mlx chat" in single
