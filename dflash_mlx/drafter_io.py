@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
+from .validate import read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -70,12 +71,8 @@ def resolve_checkpoint(path_or_repo: Union[str, Path], revision: Optional[str] =
 
 def read_config(path: Path) -> DFlashConfig:
     file = path / CONFIG_NAME
-    if not file.is_file():
-        raise DFlashError(f"'{path}' has no {CONFIG_NAME}; pass a DFlash drafter directory or Hub repo id")
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"cannot parse {file}: {e}; re-download or re-convert the drafter") from None
+    raw = read_json(file, f"'{path}' has no {CONFIG_NAME}; pass a DFlash drafter directory or Hub repo id",
+                    lambda e: f"cannot parse {file}: {e}; re-download or re-convert the drafter")
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
         raise DFlashError(
             f"'{path}' is a speculators-format drafter, which is not supported yet; use the z-lab DFlash "
