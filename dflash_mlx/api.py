@@ -21,6 +21,7 @@ from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import Acceptor, make_acceptor
+from .console import print_stats
 from .drafter import DFlashDrafter
 from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
@@ -215,13 +216,5 @@ def generate(
         text += response.text
     if verbose and response is not None:
         print()
-        print("=" * 10)
-        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
-        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
-        stats = response.stats
-        if stats and stats.cycles:
-            print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
-                  f"(widest {stats.max_block}); tokens committed per pass:")
-            print(stats.format_histogram())
-        print(f"Peak memory: {response.peak_memory:.3f} GB")
+        print_stats(response, block_label="widest")
     return text

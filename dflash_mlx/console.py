@@ -100,14 +100,15 @@ def stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bo
         print_stats(response)
 
 
-def print_stats(response) -> None:
-    """Speed, acceptance and memory of a run, as `dflash_mlx.generate(verbose=True)` prints them."""
+def print_stats(response, block_label: str = "block size") -> None:
+    """Speed, acceptance and memory of a run, as the CLI and `dflash_mlx.generate(verbose=True)` print them;
+    `block_label` names the widest block (`generate` says "widest")."""
     print("=" * 10)
     print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
     stats = response.stats
     if stats and stats.cycles:
         print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
-              f"(block size {stats.max_block}); tokens committed per pass:")
+              f"({block_label} {stats.max_block}); tokens committed per pass:")
         print(stats.format_histogram())
     print(f"Peak memory: {response.peak_memory:.3f} GB", flush=True)

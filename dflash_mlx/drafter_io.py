@@ -12,7 +12,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
+from .validate import read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -70,12 +71,8 @@ def resolve_checkpoint(path_or_repo: Union[str, Path], revision: Optional[str] =
 
 def read_config(path: Path) -> DFlashConfig:
     file = path / CONFIG_NAME
-    if not file.is_file():
-        raise DFlashError(f"'{path}' has no {CONFIG_NAME}; pass a DFlash drafter directory or Hub repo id")
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"cannot parse {file}: {e}; re-download or re-convert the drafter") from None
+    raw = read_json(file, f"'{path}' has no {CONFIG_NAME}; pass a DFlash drafter directory or Hub repo id",
+                    lambda e: f"cannot parse {file}: {e}; re-download or re-convert the drafter")
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
         raise DFlashError(
             f"'{path}' is a speculators-format drafter, which is not supported yet; use the z-lab DFlash "
@@ -171,21 +168,25 @@ def build_drafter(config: DFlashConfig) -> DFlashDrafter:
     return drafter
 
 
+def _first_of(names: List[str]) -> str:
+    """The first name quoted, and how many more there are."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"'{names[0]}'{more}"
+
+
 def check_weights(drafter: DFlashDrafter, weights: Dict[str, mx.array], source: Path) -> None:
     """Every expected tensor present with the right shape and nothing else; names the first offender."""
     expected: Dict[str, Tuple[int, ...]] = {k: tuple(v.shape) for k, v in tree_flatten(drafter.parameters())}
     missing = sorted(set(expected) - set(weights))
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise DFlashError(
-            f"drafter checkpoint '{source}' lacks tensor '{missing[0]}'{more} that its config.json describes; "
+            f"drafter checkpoint '{source}' lacks tensor {_first_of(missing)} that its config.json describes; "
             "the weights are incomplete or config.json does not match them: re-download or re-convert the drafter"
         )
     extra = sorted(set(weights) - set(expected))
     if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise DFlashError(
-            f"drafter checkpoint '{source}' has unexpected tensor '{extra[0]}'{more}, not described by its "
+            f"drafter checkpoint '{source}' has unexpected tensor {_first_of(extra)}, not described by its "
             "config.json; config.json does not match the weights (restore it from the drafter's source), or this "
             "is not a z-lab DFlash drafter this version understands"
         )

@@ -39,6 +39,18 @@ def dtype_name(name: str, flag: str = "--dtype") -> str:
     return DTYPES[name]
 
 
+def check_family(local: Path, shown: str, unreadable: str = "has an unreadable config.json") -> None:
+    """Refuse an unsupported architecture before reading gigabytes of weights (`shown`: the target as the user
+    named it; `unreadable`: what the error says of a config.json that cannot be read)."""
+    try:
+        model_type = json.loads((local / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"target '{shown}' {unreadable}: {e}") from e
+    if family_for(model_type) is None:
+        raise DFlashError(f"unsupported target architecture '{model_type}'; supported: "
+                          f"{', '.join(supported_model_types())}")
+
+
 def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
                 revision: Optional[str] = None) -> Tuple[nn.Module, TokenizerWrapper]:
     """mlx-lm's loader for a local model directory or a hub repo id, with one-line errors."""
@@ -50,14 +62,7 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
     if not local.exists() and (path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1):
         raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
     if local.exists():
-        # Refuse an unsupported architecture before reading gigabytes of weights.
-        try:
-            model_type = json.loads((local / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError) as e:
-            raise DFlashError(f"target '{path_or_repo}' has an unreadable config.json: {e}") from e
-        if family_for(model_type) is None:
-            raise DFlashError(f"unsupported target architecture '{model_type}'; supported: "
-                              f"{', '.join(supported_model_types())}")
+        check_family(local, path_or_repo)
         check_model_dir(local)  # 0-byte or truncated weights: name the file before mlx reads it
     try:
         return mlx_lm_load(str(local) if local.exists() else path_or_repo, tokenizer_config=tokenizer_config,

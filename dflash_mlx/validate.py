@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .errors import DFlashError
 
@@ -55,16 +55,22 @@ def check_safetensors(file: Union[str, Path], fix: str = "delete it and download
                           f"{8 + header_len + end}); {fix}")
 
 
+def read_json(file: Path, missing: str, unparsable: Callable[[Exception], str]) -> Any:
+    """The parsed JSON in `file`; one-line errors: `missing` when it is absent, `unparsable(e)` when unreadable."""
+    if not file.is_file():
+        raise DFlashError(missing)
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(unparsable(e)) from None
+
+
 def check_model_dir(path: Union[str, Path], what: str = "target") -> None:
     """A local model folder: readable config.json with a model_type, and complete safetensors files."""
     path = Path(path).expanduser()
     config = path / "config.json"
-    if not config.is_file():
-        raise DFlashError(f"{what} '{path}' has no config.json; point at an mlx-lm model folder")
-    try:
-        raw = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"{what} config {config} cannot be parsed ({e}); restore or re-download it") from None
+    raw = read_json(config, f"{what} '{path}' has no config.json; point at an mlx-lm model folder",
+                    lambda e: f"{what} config {config} cannot be parsed ({e}); restore or re-download it")
     if not isinstance(raw, dict) or not raw.get("model_type"):
         raise DFlashError(f"{what} config {config} names no model_type; is this a model folder?")
     files = sorted(path.glob("*.safetensors"))

@@ -78,27 +78,15 @@ def _kernels():
     from . import kernel  # the factory: mx.fast.metal_kernel on a Mac, the emulator in tests
 
     src = load_kernel_file("gdn_tape.metal")
-    tape = kernel(
-        name="dflash_gdn_tape",
-        input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
-        output_names=["y", "state_out", "delta"],
-        source=src.bodies["dflash_gdn_tape"],
-        header=src.header,
-    )
-    tape_packed = kernel(
-        name="dflash_gdn_tape_packed",
-        input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
-        output_names=["y", "state_out", "delta"],
-        source=src.bodies["dflash_gdn_tape_packed"],
-        header=src.header,
-    )
-    replay = kernel(
-        name="dflash_gdn_replay",
-        input_names=["k", "g", "delta", "state_in", "keep"],
-        output_names=["state_out"],
-        source=src.bodies["dflash_gdn_replay"],
-        header=src.header,
-    )
+
+    def build(name, input_names, output_names):
+        return kernel(name=name, input_names=input_names, output_names=output_names, source=src.bodies[name],
+                      header=src.header)
+
+    tape_io = (["q", "k", "v", "g", "beta", "state_in", "steps"], ["y", "state_out", "delta"])
+    tape = build("dflash_gdn_tape", *tape_io)
+    tape_packed = build("dflash_gdn_tape_packed", *tape_io)
+    replay = build("dflash_gdn_replay", ["k", "g", "delta", "state_in", "keep"], ["state_out"])
     return tape, tape_packed, replay
 
 

@@ -20,7 +20,8 @@ import mlx.nn as nn
 
 from ..errors import DFlashError
 from ..target.adapter import model_type_of
-from ..target.families import family_for, supported_model_types, text_lm
+from ..loading import check_family
+from ..target.families import text_lm
 from .group import barrier, rank0_first, setup
 from .pipeline import FeatureExchange
 
@@ -78,21 +79,11 @@ def shard_model(model: nn.Module, group: mx.distributed.Group, pipeline: bool = 
     return model
 
 
-def _check_family(path: Path) -> None:
-    try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"target '{path}' has no readable config.json: {e}") from e
-    if family_for(model_type) is None:
-        raise DFlashError(f"unsupported target architecture '{model_type}'; supported: "
-                          f"{', '.join(supported_model_types())}")
-
-
 def load_sharded_model(path: str, group: mx.distributed.Group, pipeline: bool = False) -> nn.Module:
     """A local mlx-lm model directory, split over `group` (no tokenizer needed)."""
     from mlx_lm.utils import load_model
 
-    _check_family(Path(path))
+    check_family(Path(path), str(Path(path)), unreadable="has no readable config.json")
     model, _ = load_model(Path(path), lazy=True)
     return shard_model(model, group, pipeline)
 

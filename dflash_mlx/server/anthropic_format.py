@@ -17,7 +17,7 @@ from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .schemas import AnthropicCountRequest, AnthropicRequest
 from .text import OutputRouter, router_for
-from .worker import ClientGone, Job
+from .worker import Job
 
 STOP_REASONS = {"length": "max_tokens", "cancelled": "end_turn"}
 
@@ -174,7 +174,7 @@ def _template_kwargs(server, body) -> Dict[str, Any]:
 
 
 def add_routes(app, server, authorize) -> None:
-    from .app import _first_event
+    from .app import _collect, _first_event
 
     @app.post("/v1/messages", dependencies=[Depends(authorize)])
     async def messages(body: AnthropicRequest, request: Request):
@@ -191,13 +191,8 @@ def add_routes(app, server, authorize) -> None:
         if event is None:
             return Response(status_code=499)
         if not body.stream:
-            while not isinstance(event, Outcome):
-                fmt.events(event)
-                try:
-                    event = await job.next(request)
-                except ClientGone:
-                    return Response(status_code=499)
-            return JSONResponse(fmt.response(event))
+            outcome = await _collect(job, request, event, fmt.events)
+            return Response(status_code=499) if outcome is None else JSONResponse(fmt.response(outcome))
 
         async def lines():
             nonlocal event

@@ -151,18 +151,25 @@ async def _first_event(job: Job, request: Request):
         raise APIError(400, str(e)) from e
 
 
+async def _collect(job: Job, request: Request, event, consume) -> Optional[Outcome]:
+    """Feed `event` and the job's next ones to `consume` until its Outcome (a whole, non-streamed reply);
+    None if the client left meanwhile."""
+    while not isinstance(event, Outcome):
+        consume(event)
+        try:
+            event = await job.next(request)
+        except ClientGone:
+            return None
+    return event
+
+
 async def respond_openai(request: Request, job: Job, fmt, stream: bool) -> Response:
     event = await _first_event(job, request)
     if event is None:
         return Response(status_code=499)
     if not stream:
-        while not isinstance(event, Outcome):
-            fmt.add(event)
-            try:
-                event = await job.next(request)
-            except ClientGone:
-                return Response(status_code=499)
-        return JSONResponse(fmt.response(event))
+        outcome = await _collect(job, request, event, fmt.add)
+        return Response(status_code=499) if outcome is None else JSONResponse(fmt.response(outcome))
 
     async def lines():
         nonlocal event

@@ -27,6 +27,7 @@ import typer
 
 from ..errors import DFlashError
 from ..loading import dtype_name
+from .trainer import TrainConfig
 
 
 @dataclass
@@ -37,11 +38,11 @@ class TrainArgs:
     out: str
     data: List[str] = field(default_factory=list)
     cache: Optional[str] = None  # default: OUT/features
-    steps: int = 2000
-    lr: float = 6e-4
+    steps: int = TrainConfig.steps
+    lr: float = TrainConfig.lr
     warmup: Optional[int] = None  # default: 4% of the steps
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    weight_decay: float = TrainConfig.weight_decay
+    grad_clip: float = TrainConfig.grad_clip
     block_size: int = 16
     num_layers: int = 5
     target_layers: Optional[List[int]] = None
@@ -70,8 +71,6 @@ class TrainArgs:
     progress: bool = True
 
     def train_config(self):
-        from .trainer import TrainConfig
-
         return TrainConfig(steps=self.steps, lr=self.lr, warmup=self.warmup, weight_decay=self.weight_decay,
                            grad_clip=self.grad_clip, rows_per_step=self.rows, anchors=self.anchors,
                            batch_blocks=self.batch_blocks, gamma=self.gamma, kl=self.kl, labels=self.labels,

@@ -38,6 +38,11 @@ def _write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def _meta_int(key: str) -> property:
+    """A shape fact read from meta.json, as an int."""
+    return property(lambda self: int(self.meta[key]))
+
+
 class FeatureCache:
     def __init__(self, path: Path, meta: Dict):
         self.path = Path(path)
@@ -47,21 +52,10 @@ class FeatureCache:
         self.eval_prompts: List[List[int]] = json.loads((self.path / "eval.json").read_text())
 
     # -- shape facts -----------------------------------------------------------------------------------------
-    @property
-    def rows(self) -> int:
-        return int(self.meta["rows"])
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.meta["seq_len"])
-
-    @property
-    def feature_dim(self) -> int:
-        return int(self.meta["feature_dim"])
-
-    @property
-    def topk(self) -> int:
-        return int(self.meta["topk"])
+    rows = _meta_int("rows")
+    seq_len = _meta_int("seq_len")
+    feature_dim = _meta_int("feature_dim")
+    topk = _meta_int("topk")
 
     @property
     def rows_done(self) -> int:
