@@ -4,7 +4,6 @@ context lengths that are multiples of no tile, chunked contexts and strided cach
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -13,16 +12,7 @@ import pytest
 from dflash_mlx.metal import block_attention as ba
 
 
-@contextmanager
-def kernels_enabled(on: bool):
-    """Kernels on (the `metal_backend` fixture's backend) or off (DFLASH_MLX_NO_METAL) inside the block."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not on:
-            mp.setenv("DFLASH_MLX_NO_METAL", "1")
-        yield
-
-
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+from kernel_cases import DTYPES, kernels_enabled
 # (Hq, Hkv, B, D, n_ctx, window, causal, chunk): chunk None = the production choice (one chunk at these sizes).
 CASES = [
     (2, 1, 4, 64, 37, None, False, 16),    # bidirectional block, GQA 2, 3 chunks, the last one partial

@@ -16,17 +16,16 @@ import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 
 from cache_compare import assert_caches_equal, build, prompt
+from kernel_cases import DTYPES
 from dflash_mlx.metal import gdn_tape as gt
 from dflash_mlx.target import TargetModel
 from dflash_mlx.target.hybrid import GatedDeltaCache, ReplayRollback, TapeRollback, default_rollback
-
 
 
 # (B, T, Hk, Hv, Dk, Dv): GQA 1/2/4, Dk 32/64/128, Dv not a multiple of the threadgroup's 4 rows; the last one
 # takes the packed Dk = 128 layout (Dv % 8 == 0), as mlx-lm does.
 SHAPES = [(1, 5, 2, 2, 32, 16), (1, 4, 1, 4, 64, 8), (2, 3, 2, 4, 32, 6), (1, 3, 1, 2, 128, 4), (1, 4, 2, 4, 128, 16)]
 PACKED = SHAPES[4]
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def _inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=0, with_state=True):

@@ -4,7 +4,6 @@ routes a quantized target's linears through the dispatcher changes nothing where
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,16 +13,7 @@ from dflash_mlx.metal import verify_qmm as vq
 from dflash_mlx.target import TargetModel
 
 
-@contextmanager
-def kernels_enabled(on: bool):
-    """Kernels on (the `metal_backend` fixture's backend) or off (DFLASH_MLX_NO_METAL) inside the block."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not on:
-            mp.setenv("DFLASH_MLX_NO_METAL", "1")
-        yield
-
-
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+from kernel_cases import DTYPES, kernels_enabled
 # (M, K, N, group_size, bits): K with a partial last sweep of the 32 lanes, N not a multiple of 4 columns.
 CASES = [(2, 384, 10, 64, 4), (16, 256, 7, 32, 8), (5, 384, 9, 128, 4), (3, 192, 5, 32, 4), (9, 128, 6, 128, 8)]
 
