@@ -329,3 +329,24 @@ def test_plain_decoding_is_visible(pair):
         assert r.choices[0].message.content == _reference(pair, _ids(tokenizer, messages), 8)
     finally:
         running.stop()
+
+
+def test_forced_tool_call_continues_the_forced_start(pair, client):
+    """A named tool_choice on a tokenizer without a tool parser: the assistant turn starts with the call as bare
+    JSON, and the reply is `generate` continuing exactly that prompt (the random model botches the arguments, so
+    the whole call comes back as text, forced start included)."""
+    model, tokenizer, drafter = pair
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    start = '{"name": "get_weather", "arguments": '
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text + start, add_special_tokens=False)
+    want = _reference(pair, ids, 8)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, tools=tools,
+                                       tool_choice=choice)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == start + want
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 tools=tools, tool_choice=choice, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == start + want

@@ -33,11 +33,24 @@ TEMPLATE = (
 )
 
 
+BARE = "```json\n" + json.dumps(CALL) + "\n```"
+
+
+def _reply_to(prompt: str) -> str:
+    """The scripted reply: continues a forced call where the prompt started one, else REPLY (BARE when asked)."""
+    if prompt.endswith('"arguments": '):
+        return json.dumps(CALL["arguments"]) + "}\n</tool_call>"
+    if prompt.endswith('{"name": "'):
+        return json.dumps(CALL)[len('{"name": "'):] + "\n</tool_call>"
+    return BARE if "bare JSON please" in prompt else REPLY
+
+
 class Scripted(Generator):
-    """Replies with `REPLY` token by token, as the engine loop would hand it over."""
+    """Replies as `_reply_to` says, token by token, as the engine loop would hand it over."""
 
     def run(self, req, should_stop=lambda: False):
-        tokens = self.tokenizer.encode(REPLY, add_special_tokens=False)
+        self.last_prompt = self.tokenizer.decode(req.prompt)
+        tokens = self.tokenizer.encode(_reply_to(self.last_prompt), add_special_tokens=False)
         detokenizer = self.tokenizer.detokenizer
         for token in tokens:
             detokenizer.add_token(token)
@@ -60,20 +73,20 @@ def live(tmp_path_factory):
                                tool_call_end="</tool_call>")
     app = create_app(model, wrapped, drafter, ServerSettings(model_name=MODEL))
     server = app.state.server
-    server.worker.generator = Scripted(model, wrapped, drafter)
+    scripted = server.worker.generator = Scripted(model, wrapped, drafter)
     running = start_in_thread(app)
-    yield running, wrapped
+    yield running, wrapped, scripted
     running.stop()
 
 
 def test_tools_reach_the_prompt(live):
-    _, tokenizer = live
+    _, tokenizer, _ = live
     prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Weather in Paris?"}], TOOLS)
     assert '"get_weather"' in prompt.text
 
 
 def test_tool_call_and_reasoning_whole(live):
-    running, _ = live
+    running, _, _ = live
     client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0)
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                        tools=TOOLS)
@@ -87,7 +100,7 @@ def test_tool_call_and_reasoning_whole(live):
 
 
 def test_tool_call_and_reasoning_streamed(live):
-    running, _ = live
+    running, _, _ = live
     client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0)
     chunks = list(client.chat.completions.create(model=MODEL, stream=True, tools=TOOLS,
                                                  messages=[{"role": "user", "content": "Weather in Paris?"}]))
@@ -103,7 +116,7 @@ def test_tool_call_and_reasoning_streamed(live):
 
 
 def test_anthropic_tool_use_blocks(live):
-    running, _ = live
+    running, _, _ = live
     body = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "tools": [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}]}
     r = httpx.post(running.url + "/messages", json=body, timeout=60).json()
@@ -126,25 +139,110 @@ def test_anthropic_tool_use_blocks(live):
     assert httpx.post(running.url + "/messages", json=follow, timeout=60).status_code == 200
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(reason="qwen2.5-coder-0.5b answers this prompt with the bare JSON call, without the "
-                          "<tool_call> tags its chat template asks for, so no parser sees a call (measured with "
-                          "plain mlx-lm decoding too)", strict=False)
-def test_real_model_calls_a_tool():
+def _streamed(client, **kwargs):
+    """Content, tool calls and finish reasons of a streamed chat reply."""
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return "".join(d.content or "" for d in deltas), calls, finish
+
+
+WEATHER_IN_PARIS = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_forces_a_call(live, choice):
+    running, tokenizer, scripted = live
+    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_IN_PARIS, tools=TOOLS, tool_choice=choice)
+    # The assistant turn was started with the call: the prompt ends in the markup (and the named call's start).
+    forced = "<tool_call>" + ('{"name": "get_weather", "arguments": ' if isinstance(choice, dict) else '{"name": "')
+    assert scripted.last_prompt.endswith("<|im_start|>assistant\n" + forced)
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALL["arguments"]
+    content, calls, finish = _streamed(client, messages=WEATHER_IN_PARIS, tools=TOOLS, tool_choice=choice)
+    assert content == "" and finish == ["tool_calls"]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather",
+                                                                                      CALL["arguments"])]
+    # Anthropic's forms of the same choice.
+    body = {"model": MODEL, "max_tokens": 64, "messages": WEATHER_IN_PARIS,
+            "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": "get_weather"} if isinstance(choice, dict) else {"type": "any"}}
+    m = httpx.post(running.url + "/messages", json=body, timeout=60).json()
+    assert [b["type"] for b in m["content"]] == ["tool_use"] and m["content"][0]["input"] == CALL["arguments"]
+    assert scripted.last_prompt.endswith(forced)
+
+
+def test_tool_choice_none_hides_the_tools(live):
+    running, _, scripted = live
+    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_IN_PARIS, tools=TOOLS, tool_choice="none")
+    assert "get_weather" not in scripted.last_prompt  # the template was not given the tools
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_IN_PARIS, tools=TOOLS, tool_choice="auto")
+    assert "get_weather" in scripted.last_prompt and r.choices[0].message.tool_calls
+
+
+def test_bad_tool_choice_is_a_400(live):
+    running, _, _ = live
+    for choice, tools in [({"type": "function", "function": {"name": "nope"}}, TOOLS), ("required", None),
+                          ("sometimes", TOOLS)]:
+        body = {"model": MODEL, "messages": WEATHER_IN_PARIS, "tool_choice": choice}
+        if tools:
+            body["tools"] = tools
+        r = httpx.post(running.url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+
+
+def test_bare_json_call(live):
+    running, _, _ = live
+    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris? bare JSON please"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    content, calls, finish = _streamed(client, messages=messages, tools=TOOLS)
+    assert content == "" and finish == ["tool_calls"] and len(calls) == 1
+    assert json.loads(calls[0].function.arguments) == CALL["arguments"]
+    # Without tools it is what the model wrote.
+    r = client.chat.completions.create(model=MODEL, messages=messages)
+    assert r.choices[0].message.content == BARE and r.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def coder():
     from dflash_mlx.models import DEFAULT_MODEL
 
     model, tokenizer, drafter = load(DEFAULT_MODEL)
     running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name="coder")))
-    try:
-        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=3000)
-        r = client.chat.completions.create(model="coder", temperature=0, max_tokens=64, tools=TOOLS,
-                                           messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-        message = r.choices[0].message
-        assert message.tool_calls, f"no tool call; the reply was {message.content!r}"
-        (call,) = message.tool_calls
-        assert call.function.name == "get_weather"
-        assert json.loads(call.function.arguments)["city"] == "Paris"
-        assert "<tool_call>" not in (r.choices[0].message.content or "")
-        assert r.choices[0].finish_reason == "tool_calls"
-    finally:
-        running.stop()
+    yield openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=3000)
+    running.stop()
+
+
+def _ask_coder(client, **kwargs):
+    r = client.chat.completions.create(model="coder", temperature=0, max_tokens=32, tools=TOOLS,
+                                       messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                       **kwargs)
+    return r.choices[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", [None, "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_real_model_calls_a_tool(coder, choice):
+    """qwen2.5-coder-0.5b: on its own it answers with the bare JSON call (no <tool_call> tags); forced, the
+    server starts the call in its template's markup."""
+    choice_ = _ask_coder(coder, **({} if choice is None else {"tool_choice": choice}))
+    message = choice_.message
+    assert message.tool_calls, f"no tool call; the reply was {message.content!r}"
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"
+    assert not message.content and choice_.finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+def test_real_model_tool_choice_none(coder):
+    choice = _ask_coder(coder, tool_choice="none")
+    assert choice.message.tool_calls is None and choice.message.content

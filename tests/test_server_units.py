@@ -1,5 +1,5 @@
 """Server building blocks without HTTP: the prefix cache's trie, budget and snapshot exactness, stop strings
-across piece boundaries, and the reasoning / tool-call router."""
+across piece boundaries, the reasoning / tool-call router, bare-JSON tool calls and `tool_choice`."""
 
 import json
 
@@ -9,7 +9,10 @@ from mlx_lm.tool_parsers import json_tools
 
 from cache_compare import assert_caches_equal, build
 from dflash_mlx.server.prefix_cache import PrefixCache, Snapshot
+from dflash_mlx.server.errors import APIError
 from dflash_mlx.server.text import OutputRouter, StopMatcher
+from dflash_mlx.server.tools import (ForcedStart, ToolChoice, anthropic_tool_choice, could_be_bare_call,
+                                     openai_tool_choice, parse_bare_calls)
 from dflash_mlx.target import TargetModel
 from tiny import make_drafter, prompt_ids, target
 
@@ -135,3 +138,110 @@ def test_router_starts_in_reasoning_and_keeps_bad_tool_text():
     pieces = router.feed("thinking...</think>answer<tool_call>{not json</tool_call>", final=True)
     assert [(p.kind, p.text) for p in pieces] == [("reasoning", "thinking..."), ("content", "answer"),
                                                   ("content", "{not json")]
+
+
+NAMES = ["get_weather", "get_time"]
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+@pytest.mark.parametrize("text", [
+    json.dumps(WEATHER),
+    "  \n" + json.dumps(WEATHER, indent=2) + "\n",
+    "```json\n" + json.dumps(WEATHER) + "\n```",
+    "```\n" + json.dumps(WEATHER) + "\n```\n",
+    json.dumps({"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}),  # arguments as a string
+    json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}}),
+])
+def test_bare_call_forms(text):
+    assert parse_bare_calls(text, NAMES) == [WEATHER]
+    assert all(could_be_bare_call(text[:k]) for k in range(len(text) + 1))
+
+
+def test_bare_call_lists_and_what_stays_text():
+    two = [WEATHER, {"name": "get_time", "arguments": {}}]
+    assert parse_bare_calls(json.dumps(two), NAMES) == two
+    assert all(could_be_bare_call(json.dumps(two)[:k]) for k in range(len(json.dumps(two)) + 1))
+    for text in [json.dumps({"name": "delete_all", "arguments": {}}),  # not an offered tool
+                 json.dumps({"name": "get_weather", "arguments": {}, "extra": 1}),  # not the call shape
+                 json.dumps({"name": "get_weather", "arguments": [1]}),
+                 json.dumps(WEATHER) + " and then some text",
+                 "Sure: " + json.dumps(WEATHER),
+                 "[]", "{}", '{"city": "Paris"}', "```python\nprint(1)\n```", "plain text"]:
+        assert parse_bare_calls(text, NAMES) is None, text
+    # A stream stops holding text back as soon as it cannot become a call.
+    for text, k in [("Sure, here", 1), ('{"city": "Paris"}', 3), (json.dumps(WEATHER) + " more", None),
+                    ("```python\nx", 10), ("[1, 2]", 2)]:
+        k = len(text) if k is None else k
+        assert not could_be_bare_call(text[:k]), text[:k]
+
+
+def _route(router, text, size):
+    pieces = []
+    for i in range(0, len(text), size):
+        pieces += router.feed(text[i : i + size])
+    return pieces + router.feed("", final=True)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_router_bare_json_calls(size):
+    reply = "```json\n" + json.dumps(WEATHER) + "\n```"
+    pieces = _route(OutputRouter(bare_names=NAMES), reply, size)
+    assert [(p.kind, p.call) for p in pieces] == [("tool_call", WEATHER)]
+    # After reasoning, too.
+    router = OutputRouter(("<think>", "</think>"), bare_names=NAMES)
+    pieces = _route(router, "<think>hm</think>" + json.dumps(WEATHER), size)
+    assert "".join(p.text for p in pieces if p.kind == "reasoning") == "hm"
+    assert [(p.kind, p.call) for p in pieces if p.kind != "reasoning"] == [("tool_call", WEATHER)]
+    # Text is text, and streams as it comes (nothing held once it cannot be a call).
+    router = OutputRouter(bare_names=NAMES)
+    first = router.feed("Hello, ")
+    assert [(p.kind, p.text) for p in first] == [("content", "Hello, ")]
+    # JSON that is no call of an offered tool comes back whole as text.
+    other = json.dumps({"name": "rm", "arguments": {}})
+    assert "".join(p.text for p in _route(OutputRouter(bare_names=NAMES), other, size)) == other
+    # Without tools offered, a bare call is text.
+    assert [p.kind for p in _route(OutputRouter(), json.dumps(WEATHER), size)] == ["content"] * \
+        len(_route(OutputRouter(), json.dumps(WEATHER), size))
+
+
+def test_router_markup_call_releases_held_text():
+    router = OutputRouter(tool=("<tool_call>", "</tool_call>"), parse_tool=json_tools.parse_tool_call,
+                          bare_names=NAMES)
+    pieces = _route(router, '{"na <tool_call>' + json.dumps(WEATHER) + "</tool_call>", 2)
+    assert "".join(p.text for p in pieces if p.kind == "content") == '{"na '
+    assert [(p.kind, p.call) for p in pieces][-1] == ("tool_call", WEATHER)
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_router_forced_starts(size):
+    markup = ForcedStart('<tool_call>\n{"name": "get_weather", "arguments": ',
+                         '{"name": "get_weather", "arguments": ', markup=True)
+    router = OutputRouter(tool=("<tool_call>", "</tool_call>"), parse_tool=json_tools.parse_tool_call,
+                          bare_names=NAMES, forced=markup)
+    pieces = _route(router, '{"city": "Paris"}}\n</tool_call>', size)
+    assert [(p.kind, p.call) for p in pieces] == [("tool_call", WEATHER)]
+    bare = ForcedStart('{"name": "get_weather", "arguments": ', '{"name": "get_weather", "arguments": ',
+                       markup=False)
+    pieces = _route(OutputRouter(bare_names=NAMES, forced=bare), '{"city": "Paris"}}\nDone.', size)
+    assert [(p.kind, p.call) for p in pieces][0] == ("tool_call", WEATHER)
+    assert "".join(p.text for p in pieces[1:] if p.kind == "content") == "\nDone."
+    # A forced call the model botched is shown whole, forced start included.
+    pieces = _route(OutputRouter(bare_names=NAMES, forced=bare), "oops", size)
+    assert "".join(p.text for p in pieces) == bare.call_text + "oops"
+
+
+def test_tool_choice_forms_and_errors():
+    tools = [{"type": "function", "function": {"name": n}} for n in NAMES]
+    assert openai_tool_choice(None, tools) == ToolChoice("auto")
+    assert openai_tool_choice("none", tools) == ToolChoice("none")
+    assert openai_tool_choice("required", tools) == ToolChoice("required")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert openai_tool_choice(named, tools) == ToolChoice("named", "get_time")
+    assert anthropic_tool_choice({"type": "any"}, tools) == ToolChoice("required")
+    assert anthropic_tool_choice({"type": "tool", "name": "get_time"}, tools) == ToolChoice("named", "get_time")
+    assert anthropic_tool_choice(None, None) == ToolChoice("auto")
+    for bad, offered in [("always", tools), ({"type": "function", "function": {"name": "nope"}}, tools),
+                         ({"type": "function"}, tools), ("required", None), (named, [])]:
+        with pytest.raises(APIError) as e:
+            openai_tool_choice(bad, offered)
+        assert e.value.status == 400 and e.value.param == "tool_choice"

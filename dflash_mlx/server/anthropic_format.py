@@ -17,6 +17,7 @@ from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .schemas import AnthropicCountRequest, AnthropicRequest
 from .text import OutputRouter, router_for
+from .tools import anthropic_tool_choice
 from .worker import Job
 
 STOP_REASONS = {"length": "max_tokens", "cancelled": "end_turn"}
@@ -180,13 +181,15 @@ def add_routes(app, server, authorize) -> None:
     async def messages(body: AnthropicRequest, request: Request):
         server.check_model(body.model)
         tools = openai_tools(body.tools)
-        if body.tool_choice and body.tool_choice.get("type") == "none":
+        choice = anthropic_tool_choice(body.tool_choice, tools)
+        if choice.mode == "none":
             tools = None
-        prompt = prompts.chat_prompt(server.tokenizer, chat_messages(body), tools, _template_kwargs(server, body))
+        prompt = prompts.chat_prompt(server.tokenizer, chat_messages(body), tools, _template_kwargs(server, body),
+                                     choice)
         job: Job = server.submit(server.generation_request(prompt, body, body.max_tokens,
                                                            list(body.stop_sequences or [])))
-        fmt = MessagesFormatter(server.settings.model_name, router_for(server.tokenizer, prompt.text, tools),
-                                len(prompt.tokens))
+        router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
+        fmt = MessagesFormatter(server.settings.model_name, router, len(prompt.tokens))
         event = await _first_event(job, request)
         if event is None:
             return Response(status_code=499)

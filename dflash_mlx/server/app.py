@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .text import router_for
+from .tools import openai_tool_choice
 from .worker import ClientGone, Job, QueueFull, Worker
 
 
@@ -261,15 +262,17 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
             raise APIError(400, f"response_format {response_format.get('type')!r} is not supported (text only)",
                            param="response_format")
         messages = prompts.openai_messages(body.messages)
-        tools = None if body.tool_choice == "none" else body.tools
+        choice = openai_tool_choice(body.tool_choice, body.tools)
+        tools = None if choice.mode == "none" else body.tools  # "none": the model is not told about them
         template_kwargs = dict(settings.chat_template_kwargs or {}, **(body.chat_template_kwargs or {}))
-        prompt = prompts.chat_prompt(server.tokenizer, messages, tools, template_kwargs)
+        prompt = prompts.chat_prompt(server.tokenizer, messages, tools, template_kwargs, choice)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = body.top_logprobs or 0
         job = server.submit(server.generation_request(prompt, body, max_tokens, _stops(body.stop), body.logprobs,
                                                       top))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ChatFormatter(settings.model_name, server.tokenizer, router_for(server.tokenizer, prompt.text, tools),
+        router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
+        fmt = ChatFormatter(settings.model_name, server.tokenizer, router,
                             logprobs=body.logprobs, include_usage=include_usage)
         return await respond_openai(request, job, fmt, body.stream)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .errors import APIError
+from .tools import ForcedStart, ToolChoice, forced_start
 
 
 @dataclass
@@ -15,6 +16,7 @@ class Prompt:
     tokens: List[int]
     text: str
     boundaries: List[int] = field(default_factory=list)  # token positions where a message ends
+    forced: Optional[ForcedStart] = None  # the start of a forced tool call, at the end of `text`
 
 
 def text_of(content: Any, where: str) -> str:
@@ -72,17 +74,22 @@ def _render(tokenizer, messages, tools, kwargs, generation_prompt: bool) -> str:
 
 
 def chat_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[list] = None,
-                template_kwargs: Optional[Dict[str, Any]] = None) -> Prompt:
-    """Render and encode a conversation the way `mlx_lm.generate` does (template text, no extra special tokens)."""
+                template_kwargs: Optional[Dict[str, Any]] = None, tool_choice: Optional[ToolChoice] = None) -> Prompt:
+    """Render and encode a conversation the way `mlx_lm.generate` does (template text, no extra special tokens).
+    A `tool_choice` that forces a call starts the assistant turn with it (server/tools.py)."""
     kwargs = dict(template_kwargs or {})
     if not getattr(tokenizer, "has_chat_template", False):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return Prompt(tokenizer.encode(text), text)
+        forced = forced_start(tokenizer, tool_choice, text) if tool_choice else None
+        text += forced.text if forced else ""
+        return Prompt(tokenizer.encode(text), text, forced=forced)
     try:
         text = _render(tokenizer, messages, tools, kwargs, True)
     except Exception as e:  # jinja raises for conversations a template refuses
         raise APIError(400, f"the chat template rejected these messages: {type(e).__name__}: {e}",
                        param="messages") from e
+    forced = forced_start(tokenizer, tool_choice, text) if tool_choice else None
+    text += forced.text if forced else ""
     tokens = tokenizer.encode(text, add_special_tokens=False)
     # Message ends worth a snapshot: after the leading system messages, and after the last message.
     n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
@@ -97,7 +104,7 @@ def chat_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[list]
         ids = tokenizer.encode(prefix, add_special_tokens=False)
         if 0 < len(ids) < len(tokens) and tokens[: len(ids)] == ids:
             boundaries.append(len(ids))
-    return Prompt(tokens, text, boundaries)
+    return Prompt(tokens, text, boundaries, forced)
 
 
 def text_prompt(tokenizer, prompt: Any, vocab: int) -> Prompt:
