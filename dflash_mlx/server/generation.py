@@ -24,6 +24,7 @@ from ..stats import AcceptanceStats, CollapseWatch
 from ..width import WidthPolicy, nominal_cost
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .text import StopMatcher
+from .tokenizer_lock import tokenizer_lock
 
 logger = logging.getLogger("dflash_mlx")
 
@@ -103,6 +104,8 @@ class Generator:
         mx.eval(model.parameters(), drafter.parameters() if drafter is not None else [])
         self.cache = PrefixCache(prompt_cache_bytes)
         self.eos = set(tokenizer.eos_token_ids)
+        # Held while detokenizing: the HTTP handlers encode prompts with the same tokenizer on their own thread.
+        self.tokenizer_lock = tokenizer_lock(tokenizer)
         caches = self.target.make_cache() + (drafter.make_cache() if drafter is not None else [])
         self.cuttable = all(type(c) is KVCache for c in caches)
 
@@ -160,8 +163,9 @@ class Generator:
         stats, widths, watch, collapsed = AcceptanceStats(adaptive=width is not None), {}, CollapseWatch(), False
         drafted = accepted = last_width = 0
         committed: List[int] = []
-        detokenizer = self.tokenizer.detokenizer
-        detokenizer.reset()
+        with self.tokenizer_lock:
+            detokenizer = self.tokenizer.detokenizer  # this request's own (mlx-lm hands out a copy)
+            detokenizer.reset()
         stopper = StopMatcher(req.stop)
         finish, emitted, ttft, gen_tic = None, 0, 0.0, tic
         try:
@@ -184,25 +188,26 @@ class Generator:
                         logger.warning(warning)
                 committed.extend(cycle.tokens)
                 text, tokens = "", []
-                for token in cycle.tokens:
-                    emitted += 1
-                    tokens.append(token)
-                    if token in self.eos:
-                        finish = "stop"
-                        detokenizer.finalize()
-                        text += stopper.feed(detokenizer.last_segment, final=True)
-                        break
-                    detokenizer.add_token(token)
-                    last = emitted >= req.max_tokens
-                    if last:
-                        detokenizer.finalize()
-                    text += stopper.feed(detokenizer.last_segment, final=last)
-                    if stopper.hit is not None:
-                        finish = "stop"
-                        break
-                    if last:
-                        finish = "length"
-                        break
+                with self.tokenizer_lock:
+                    for token in cycle.tokens:
+                        emitted += 1
+                        tokens.append(token)
+                        if token in self.eos:
+                            finish = "stop"
+                            detokenizer.finalize()
+                            text += stopper.feed(detokenizer.last_segment, final=True)
+                            break
+                        detokenizer.add_token(token)
+                        last = emitted >= req.max_tokens
+                        if last:
+                            detokenizer.finalize()
+                        text += stopper.feed(detokenizer.last_segment, final=last)
+                        if stopper.hit is not None:
+                            finish = "stop"
+                            break
+                        if last:
+                            finish = "length"
+                            break
                 logprobs = self._logprobs(cycle.logits, tokens, req.top_logprobs) if req.logprobs else None
                 yield Delta(text, tokens, logprobs)
                 if finish is None and should_stop():
@@ -210,7 +215,8 @@ class Generator:
                 if finish is not None:
                     break
             if finish is None:  # the engine ran out of tokens without saying why: treat as the length limit
-                detokenizer.finalize()
+                with self.tokenizer_lock:
+                    detokenizer.finalize()
                 tail = stopper.feed(detokenizer.last_segment, final=True)
                 if tail:
                     yield Delta(tail, [])

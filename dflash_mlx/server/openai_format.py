@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from .generation import Delta, Outcome, TokenLogprob
 from .text import OutputRouter, Piece
+from .tokenizer_lock import tokenizer_lock
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -41,7 +42,8 @@ class _TokenText:
     def __call__(self, token: int) -> str:
         text = self.cache.get(token)
         if text is None:
-            text = self.cache[token] = self.tokenizer.decode([token])
+            with tokenizer_lock(self.tokenizer):  # shared with the worker thread
+                text = self.cache[token] = self.tokenizer.decode([token])
         return text
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .errors import APIError
+from .tokenizer_lock import tokenizer_lock
 from .tools import ForcedStart, ToolChoice, forced_start
 
 
@@ -77,6 +78,11 @@ def chat_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[list]
                 template_kwargs: Optional[Dict[str, Any]] = None, tool_choice: Optional[ToolChoice] = None) -> Prompt:
     """Render and encode a conversation the way `mlx_lm.generate` does (template text, no extra special tokens).
     A `tool_choice` that forces a call starts the assistant turn with it (server/tools.py)."""
+    with tokenizer_lock(tokenizer):  # the worker thread detokenizes with the same tokenizer
+        return _chat_prompt(tokenizer, messages, tools, template_kwargs, tool_choice)
+
+
+def _chat_prompt(tokenizer, messages, tools, template_kwargs, tool_choice) -> Prompt:
     kwargs = dict(template_kwargs or {})
     if not getattr(tokenizer, "has_chat_template", False):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
@@ -109,6 +115,11 @@ def chat_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[list]
 
 def text_prompt(tokenizer, prompt: Any, vocab: int) -> Prompt:
     """A /v1/completions prompt: text (encoded as mlx-lm does) or token ids."""
+    with tokenizer_lock(tokenizer):
+        return _text_prompt(tokenizer, prompt, vocab)
+
+
+def _text_prompt(tokenizer, prompt: Any, vocab: int) -> Prompt:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported (n=1)", param="prompt")
