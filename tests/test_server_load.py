@@ -1,5 +1,8 @@
 """Concurrency: 16 streaming clients at once (4 leave early), every finished reply equal to its sequential run,
-/health answering throughout, caches exact after the cancellations, and --max-queue turning excess away."""
+/health answering throughout, caches exact after the cancellations, and --max-queue turning excess away.
+
+Nothing here depends on how threads happen to be scheduled: leavers' generations wait for their hang-up to be
+seen, and metrics are read once the server is idle."""
 
 import threading
 import time
@@ -11,6 +14,7 @@ import pytest
 from dflash_mlx import generate, load
 from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.server import ServerSettings, create_app, start_in_thread
+from dflash_mlx.server.generation import Delta
 
 MODEL = "tiny"
 TOPICS = ["the sea", "a fox", "numbers", "speculative decoding", "the sun", "a tiny model", "dogs", "code"]
@@ -32,9 +36,46 @@ def _metric(text, name):
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
+LEAVER_TOKENS = 1000
+
+
+def _wait_for_the_hang_up(generator):
+    """Pause a leaver's generation (it asks for LEAVER_TOKENS) after its second piece of text until the server
+    has seen the client go. Without this, on a loaded machine the worker could finish or outrun a leaver before
+    its client thread got to hang up, and the test would depend on thread scheduling. A server that never
+    notices the hang-up still fails: the pause ends after a minute and the leaver runs on to its limit."""
+    real_run = generator.run
+
+    def run(req, should_stop=lambda: False):
+        texts = 0
+        for event in real_run(req, should_stop):
+            yield event
+            if req.max_tokens == LEAVER_TOKENS and isinstance(event, Delta) and event.text:
+                texts += 1
+                deadline = time.monotonic() + 60
+                while texts == 2 and not should_stop() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+    generator.run = run
+
+
+def _wait_until_idle(running, timeout=120):
+    """The last generation may still be stopping when its client thread has returned; its outcome (and its
+    metrics) are recorded before the worker reports itself idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(running.base + "/health", timeout=30).json()
+        if not health["waiting"] and not health["running"]:
+            return
+        assert time.monotonic() < deadline, f"the server is still busy after {timeout} s: {health}"
+        time.sleep(0.05)
+
+
 def test_sixteen_streaming_clients_four_leaving(pair):
     model, tokenizer, drafter = pair
-    running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL)))
+    app = create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL))
+    _wait_for_the_hang_up(app.state.server.worker.generator)
+    running = start_in_thread(app)
     try:
         n, max_tokens, leavers = 16, 20, {3, 6, 9, 12}
         want = {i: generate(model, tokenizer, tokenizer.apply_chat_template(_messages(i), add_generation_prompt=True),
@@ -46,7 +87,7 @@ def test_sixteen_streaming_clients_four_leaving(pair):
             try:
                 c = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
                 stream = c.chat.completions.create(model=MODEL, messages=_messages(i), temperature=0, stream=True,
-                                                   max_tokens=1000 if i in leavers else max_tokens)
+                                                   max_tokens=LEAVER_TOKENS if i in leavers else max_tokens)
                 text = ""
                 for k, chunk in enumerate(stream):
                     if chunk.choices:
@@ -59,9 +100,12 @@ def test_sixteen_streaming_clients_four_leaving(pair):
                 errors.append((i, repr(e)))
 
         def poll_health():
-            while not done.is_set():
-                health.append(httpx.get(running.base + "/health", timeout=30).status_code)
-                time.sleep(0.1)
+            try:
+                while not done.is_set():
+                    health.append(httpx.get(running.base + "/health", timeout=30).status_code)
+                    time.sleep(0.1)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(("health", repr(e)))
 
         poller = threading.Thread(target=poll_health)
         poller.start()
@@ -74,13 +118,16 @@ def test_sixteen_streaming_clients_four_leaving(pair):
         poller.join()
 
         assert not errors, errors
+        assert not any(t.is_alive() for t in threads), "a client is still waiting after 300 s"
+        _wait_until_idle(running)
         assert set(results) == set(range(n)) - leavers
         for i, text in results.items():
             assert text == want[i], f"client {i}"
         assert health and all(code == 200 for code in health)
 
         metrics = httpx.get(running.base + "/metrics").text
-        # The leavers asked for 1000 tokens: their generations were stopped, not run to the end.
+        # The leavers asked for 1000 tokens: their generations were stopped (at the pass after their hang-up was
+        # seen), not run to the end.
         assert _metric(metrics, "dflash_generations_cancelled_total") == len(leavers), metrics
         assert _metric(metrics, "dflash_completion_tokens_total") < (n - len(leavers)) * max_tokens + 200
         # Their stopped states went into the prefix cache; replies built on them are still exact.
