@@ -75,10 +75,12 @@ def start_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str 
     server.install_signal_handlers = lambda: None  # not the main thread
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dflash-http", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # generous: a loaded machine starts slowly, and a failed start ends sooner
     while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the HTTP server did not start")
+        if not thread.is_alive():
+            raise RuntimeError(f"the HTTP server on {host}:{port} failed to start (see the log above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP server on {host}:{port} did not start within 120 s")
         time.sleep(0.02)
     return RunningServer(host, port, server, thread)
 
