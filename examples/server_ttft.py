@@ -87,19 +87,21 @@ def main() -> None:
         servers[name] = (running, OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=3600))
     code = _context(args.context_chars)
     times = {name: [] for name in servers}
+    first_turn = {name: [] for name in servers}
     tokens = {}
     try:
         for r in range(args.repeats):
             for name, (_, client) in servers.items():
                 messages = [{"role": "user", "content": f"Here is some code (run {r}):\n\n{code}\n\n"
                                                         "Summarize it in one sentence."}]
-                _, reply, _ = _ttft(client, "m", messages, args.reply_tokens)
+                ttft1, reply, _ = _ttft(client, "m", messages, args.reply_tokens)
+                first_turn[name].append(ttft1)
                 messages += [{"role": "assistant", "content": reply},
                              {"role": "user", "content": "Which function runs the prefill?"}]
                 first, _, usage = _ttft(client, "m", messages, 8)
                 times[name].append(first)
                 tokens[name] = (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
-                print(f"run {r} {name:9s}: second-turn TTFT {first:.3f} s "
+                print(f"run {r} {name:9s}: first-turn TTFT {ttft1:.3f} s, second-turn TTFT {first:.3f} s "
                       f"({usage.prompt_tokens} prompt tokens, {usage.prompt_tokens_details.cached_tokens} cached)",
                       flush=True)
     finally:
@@ -110,6 +112,8 @@ def main() -> None:
     print(f"  prefix cache on : {on:.3f} s  ({tokens['cache on'][1]} prompt tokens from the cache)")
     print(f"  prefix cache off: {off:.3f} s")
     print(f"  speedup: {off / on:.2f}x")
+    print(f"  (first turn, nothing to reuse: {statistics.median(first_turn['cache on']):.3f} s with the cache on, "
+          f"{statistics.median(first_turn['cache off']):.3f} s off)")
 
 
 if __name__ == "__main__":

@@ -189,9 +189,10 @@ def test_router_bare_json_calls(size):
     assert [(p.kind, p.call) for p in pieces] == [("tool_call", WEATHER)]
     # After reasoning, too.
     router = OutputRouter(("<think>", "</think>"), bare_names=NAMES)
-    pieces = _route(router, "<think>hm</think>" + json.dumps(WEATHER), size)
+    pieces = _route(router, "\n<think>hm</think>\n\n" + json.dumps(WEATHER), size)
     assert "".join(p.text for p in pieces if p.kind == "reasoning") == "hm"
-    assert [(p.kind, p.call) for p in pieces if p.kind != "reasoning"] == [("tool_call", WEATHER)]
+    assert [p.call for p in pieces if p.kind == "tool_call"] == [WEATHER]
+    assert "".join(p.text for p in pieces if p.kind == "content") == "\n"
     # Text is text, and streams as it comes (nothing held once it cannot be a call).
     router = OutputRouter(bare_names=NAMES)
     first = router.feed("Hello, ")

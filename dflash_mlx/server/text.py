@@ -152,8 +152,11 @@ class OutputRouter:
             if self.bare_forced or could_be_bare_call(self.bare):
                 return
             text, self.bare = self.bare, None
-        elif self.bare:  # reasoning after held content: that content was no call
+        elif self.bare and self.bare.strip():  # reasoning after held content: that content was no call
             self._release_bare(out)
+        elif self.bare:  # only whitespace before the reasoning: a call may still follow it
+            out.append(Piece("content", self.bare))
+            self.bare = ""
         out.append(Piece(kind, text))
 
     def _release_bare(self, out: List[Piece]) -> None:
