@@ -1,4 +1,5 @@
-"""Talk to `dflash-mlx serve` with the official openai client.
+"""Talk to `dflash-mlx serve` with the official openai client: a streamed reply with usage, a second turn served
+from the prefix cache, and a forced tool call.
 
     dflash-mlx serve --port 8080          # in another terminal (default model, shipped drafter)
     python examples/openai_client.py
@@ -27,3 +28,14 @@ messages += [{"role": "assistant", "content": reply}, {"role": "user", "content"
 second = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0)
 print(second.choices[0].message.content)
 print("cached prompt tokens:", second.usage.prompt_tokens_details.cached_tokens, "of", second.usage.prompt_tokens)
+
+# Tools: the model may call one ("auto"), or `tool_choice` forces a call ("required", or a named function).
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                   tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                   max_tokens=64, temperature=0)
+for call in r.choices[0].message.tool_calls or []:
+    print("tool call:", call.function.name, call.function.arguments)
