@@ -1,9 +1,11 @@
 """Tool calls and reasoning through the HTTP layer: `delta.tool_calls`, `reasoning_content`, Anthropic content
-blocks, and no markup leaking into `content`.
+blocks, `tool_choice` (none / auto / required / a named function), bare-JSON calls, and no markup leaking into
+`content`.
 
-A random tiny model cannot be made to write a tool call, so here the worker runs a scripted generator: it streams a
-fixed reply through the real tokenizer and detokenizer, and everything after it (router, formatters, SSE, the openai
-client's parsing) is the real path. `test_real_model_calls_a_tool` (slow) tries the default target.
+A random tiny model cannot be made to write a tool call, so here the worker runs a scripted generator: it reads the
+prompt it is given (so a forced call's start must be there) and streams its reply through the real tokenizer and
+detokenizer; everything after it (router, formatters, SSE, the openai client's parsing) is the real path. The slow
+tests ask the default target (qwen2.5-coder-0.5b, about 4 minutes of CPU here).
 """
 
 import json
