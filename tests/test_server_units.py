@@ -12,7 +12,7 @@ from dflash_mlx.server.prefix_cache import PrefixCache, Snapshot
 from dflash_mlx.server.errors import APIError
 from dflash_mlx.server.text import OutputRouter, StopMatcher
 from dflash_mlx.server.tools import (ForcedStart, ToolChoice, anthropic_tool_choice, could_be_bare_call,
-                                     openai_tool_choice, parse_bare_calls)
+                                     forced_start, openai_tool_choice, parse_bare_calls)
 from dflash_mlx.target import TargetModel
 from tiny import make_drafter, prompt_ids, target
 
@@ -246,3 +246,28 @@ def test_tool_choice_forms_and_errors():
         with pytest.raises(APIError) as e:
             openai_tool_choice(bad, offered)
         assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+def test_forced_start_per_parser():
+    from types import SimpleNamespace
+
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    qwen = SimpleNamespace(has_thinking=True, think_start="<think>", think_end="</think>", has_tool_calling=True,
+                           tool_call_start="<tool_call>", tool_call_end="</tool_call>",
+                           tool_parser=json_tools.parse_tool_call,
+                           chat_template="... <tool_call>\\n{\"name\": ...}\\n</tool_call> ...")
+    named, required = ToolChoice("named", "get_weather"), ToolChoice("required")
+    start = forced_start(qwen, named, "<|im_start|>assistant\n")
+    assert start.text == '<tool_call>\n{"name": "get_weather", "arguments": ' and start.markup
+    assert start.call_text == '{"name": "get_weather", "arguments": '
+    assert forced_start(qwen, required, "assistant\n").text == '<tool_call>\n{"name": "'
+    # A prompt that opened a reasoning block has it closed before the call.
+    assert forced_start(qwen, named, "assistant\n<think>\n").text.startswith("</think>\n\n<tool_call>")
+    assert forced_start(qwen, ToolChoice("auto"), "x") is None
+    coder = SimpleNamespace(**dict(vars(qwen), tool_parser=qwen3_coder.parse_tool_call, chat_template=""))
+    assert forced_start(coder, named, "x").text == "<tool_call><function=get_weather>\n"
+    # No tool parser: the call is started as bare JSON.
+    plain = SimpleNamespace(has_thinking=False, has_tool_calling=False, tool_call_start=None, tool_parser=None)
+    start = forced_start(plain, named, "x")
+    assert start.text == start.call_text == '{"name": "get_weather", "arguments": ' and not start.markup
