@@ -178,3 +178,39 @@ def test_chat_under_mlx_launch_replies_like_one_process(pair, monkeypatch, capsy
                                 *options], typed)
     assert launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout == single and "dflash-mlx chat" in single
+
+
+def test_bench_distributed_reports_traffic_and_matches_one_process(pair, tmp_path):
+    """`bench --distributed` on 2 ranks: rank 0 alone prints and writes the report; every method commits the single
+    process's tokens; plain decoding moves exactly its all-sums' bytes per pass."""
+    from dflash_mlx.bench import BenchConfig, run_bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Write a function that adds two numbers."}) + "\n")
+    options = dict(model=str(pair[0]), draft=str(pair[1]), oracle=True, prompts=str(prompts), max_tokens=10)
+    single = run_bench(BenchConfig(**options, profile=False, verify_prompts=0, progress=False))
+    out = tmp_path / "out"
+    rank0, rank1 = _cli("bench", "--distributed", "--model", options["model"], "--draft", options["draft"],
+                        "--oracle", "--prompts", str(prompts), "--max-tokens", "10", "--no-profile",
+                        "--verify-prompts", "0", "--out", str(out))
+    assert rank0.returncode == rank1.returncode == 0, rank0.stderr[-2000:] + rank1.stderr[-2000:]
+    assert rank1.stdout == rank1.stderr == ""
+    assert "communication, 2 ranks, tensor parallel" in rank0.stdout and "KB/pass" in rank0.stdout
+    report = json.loads((out / "bench.json").read_text())
+    assert report["prompts"][0]["reference"] == single["prompts"][0]["reference"]
+    assert [m["name"] for m in report["methods"]] == [m["name"] for m in single["methods"]]
+    assert all(m["identical"] == 1 for m in report["methods"]), report["notes"]
+    comm = report["communication"]
+    assert comm["counted"] and [m["name"] for m in comm["methods"]] == [m["name"] for m in single["methods"]]
+    plain = comm["methods"][0]
+    # Each all-sum of one token's activations (hidden 64, fp32) sends and receives 64 x 4 bytes over 2 ranks.
+    assert plain["collectives_per_pass"] > 0 and plain["passes"] > 0
+    assert abs(plain["bytes_per_pass"] - plain["collectives_per_pass"] * 2 * 64 * 4) < 64, plain
+    for m in comm["methods"][1:]:  # a verify pass moves a block of several tokens
+        assert m["bytes_per_pass"] > plain["bytes_per_pass"] and m["comm_ms_per_pass"] > 0, m
+
+
+def test_bench_distributed_without_a_launcher_is_one_line(pair, capsys):
+    code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--distributed"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "mlx.launch" in err, err

@@ -150,6 +150,10 @@ def format_table(report: dict) -> str:
         step = vc["ms"]["1"]
         rel = ", ".join(f"k={k} {r:.2f}x" for k, r in vc["relative"].items() if k != "1")
         out.append(f"verify cost vs one decode step ({step:.1f} ms, median of {vc['prompts']} prompts): {rel}")
+    if report.get("communication"):  # bench --distributed
+        from ..distributed.bench import format_communication
+
+        out += format_communication(report["communication"])
     out += [f"note: {n}" for n in report.get("notes", [])]
     return "\n".join(out)
 
