@@ -185,6 +185,7 @@ def serve(
                                                      "template, e.g. '{\"enable_thinking\": false}'."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id clients use "
                                                     "(default: --model)."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
     options = dict(locals())
