@@ -214,3 +214,43 @@ def test_bench_distributed_without_a_launcher_is_one_line(pair, capsys):
     code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--distributed"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "mlx.launch" in err, err
+
+
+def test_serve_refuses_a_rank_count_that_does_not_divide_the_heads(pair, tmp_path):
+    # 3 attention heads over 2 ranks: one line on rank 0 before any port is opened, a silent exit 2 on rank 1.
+    model = build("qwen3_moe", num_attention_heads=3, num_key_value_heads=1)
+    target = _save(model, CONFIGS["qwen3_moe"] | {"num_attention_heads": 3, "num_key_value_heads": 1},
+                   tmp_path / "three_heads")
+    _one_line_error(_cli("serve", "--model", str(target), "--draft", str(pair[1]), "--port", str(free_ports(1)[0])),
+                    "2 ranks cannot split the target's num_attention_heads (3) evenly", "(3)")
+
+
+def test_serve_pipeline_without_a_launcher_is_one_line(pair, capsys):
+    code = main(["serve", "--model", str(pair[0]), "--draft", str(pair[1]), "--pipeline"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "mlx.launch" in err, err
+
+
+@pytest.mark.slow
+def test_connecting_rank_alone_gives_up_with_one_line(pair, tmp_path):
+    # Rank 1 connects (rank 0 accepts): MLX retries for about 30 s and cannot be interrupted; the line says so.
+    hostfile = write_hostfile(tmp_path / "hosts.json", 2)
+    env = dict(os.environ, MLX_RANK="1", MLX_HOSTFILE=str(hostfile), DFLASH_MLX_CONNECT_TIMEOUT="2")
+    p = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", *GENERATE, "--model", str(pair[0]), "--draft",
+                        str(pair[1])], env=env, capture_output=True, text=True, timeout=LIMIT)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 could not "), p.stderr
+
+
+def test_hub_targets_are_fetched_with_one_line_errors(monkeypatch, tmp_path):
+    from dflash_mlx.distributed.sharding import target_path
+    from dflash_mlx.errors import DFlashError
+
+    assert target_path(str(tmp_path)) == tmp_path
+    with pytest.raises(DFlashError, match="not found: give a local model directory"):
+        target_path(str(tmp_path / "missing"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(DFlashError, match="could not download target .nobody/no-such-model.: "):
+        target_path("nobody/no-such-model")
