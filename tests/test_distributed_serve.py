@@ -1,6 +1,7 @@
-"""`dflash-mlx serve` started as 2 ranks (ring backend, 127.0.0.1): rank 0 answers HTTP exactly as one process does,
-a client that leaves mid-stream stops both ranks at the same pass (the next reply is still right), and stopping
-rank 0 stops every rank."""
+"""`dflash-mlx serve` started as 2 ranks (ring backend, 127.0.0.1), tensor and pipeline parallel: rank 0 answers
+HTTP exactly as one process does, a client that leaves mid-stream stops both ranks at the same pass (the next
+replies are still exact, prefix cache included), and stopping rank 0 stops every rank. Plus the pieces in process:
+requests on the wire, the prefix-cache digest the ranks compare."""
 
 from __future__ import annotations
 
@@ -27,7 +28,21 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return make_tiny_pair(tmp_path_factory.mktemp("pair"))
+    # qwen2: mlx-lm splits it both ways (by heads, and into pipeline stages).
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"), arch="qwen2")
+
+
+@pytest.fixture(scope="module")
+def single(pair):
+    """The replies of one process serving the whole target."""
+    from dflash_mlx import load
+    from dflash_mlx.server import ServerSettings, create_app, start_in_thread
+
+    running = start_in_thread(create_app(*load(str(pair[0]), str(pair[1])), ServerSettings(model_name="tiny")))
+    try:
+        return _replies(running.base)
+    finally:
+        running.stop()
 
 
 def _post(base: str, path: str, body: dict) -> dict:
@@ -71,20 +86,12 @@ def _wait_healthy(base: str, ranks: LocalRanks) -> None:
     pytest.fail("the 2-rank server did not come up")
 
 
-def test_two_rank_server_answers_like_one_process(pair):
-    from dflash_mlx import load
-    from dflash_mlx.server import ServerSettings, create_app, start_in_thread
-
-    running = start_in_thread(create_app(*load(str(pair[0]), str(pair[1])), ServerSettings(model_name="tiny")))
-    try:
-        single = _replies(running.base)
-    finally:
-        running.stop()
-
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_two_rank_server_answers_like_one_process(pair, single, split):
     port = free_ports(1)[0]
     base = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", str(pair[0]), "--draft", str(pair[1]),
-            "--port", str(port), "--served-model-name", "tiny"]
+            "--port", str(port), "--served-model-name", "tiny"] + (["--pipeline"] if split == "pipeline" else [])
     with LocalRanks(argv, 2) as ranks:
         _wait_healthy(base, ranks)
         assert _replies(base) == single
@@ -102,3 +109,37 @@ def test_two_rank_server_answers_like_one_process(pair):
     assert rank1.returncode == 0, rank1.stderr[-2000:]
     assert rank1.stdout == rank1.stderr == ""
     assert len(single[0][0]) > 0 and single[0][1] == 16
+
+
+def test_requests_travel_whole_and_logit_bias_is_refused():
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash_mlx.distributed.serving import decode_request, encode_request
+    from dflash_mlx.errors import DFlashError
+    from dflash_mlx.server.generation import GenerationRequest
+
+    sampling = dict(temp=0.7, top_p=0.9, top_k=5, min_p=0.0, seed=None, repetition_penalty=1.1,
+                    repetition_context_size=20)
+    req = GenerationRequest([1, 2, 3], 9, [2], sampling, ["\n\n"], True, 2)
+    assert decode_request(encode_request(req)) == req
+    req.sampling["logits_processors"] = make_logits_processors(logit_bias={3: 1.0})
+    with pytest.raises(DFlashError, match="logit_bias is not supported"):
+        encode_request(req)
+
+
+def test_cache_digest_sees_keys_and_eviction_order():
+    from mlx_lm.models.cache import KVCache
+
+    from dflash_mlx.distributed.serving import cache_digest
+    from dflash_mlx.server.prefix_cache import PrefixCache, Snapshot
+
+    def filled(*keys):
+        cache = PrefixCache(1 << 20)
+        for key in keys:
+            cache.insert(key, Snapshot.take([KVCache()], None, None, len(key)))
+        return cache
+
+    a, b = [1, 2, 3], [1, 2, 4, 5]
+    assert cache_digest(filled(a, b)) == cache_digest(filled(a, b))
+    assert cache_digest(filled(a, b)) != cache_digest(filled(b, a))  # same keys, other eviction order
+    assert cache_digest(filled(a)) != cache_digest(filled(a, b)) != cache_digest(PrefixCache(1))
