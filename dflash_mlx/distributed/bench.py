@@ -90,9 +90,11 @@ class Meter:
                 widths.update(block for _, block in run.cycles)
         # Collectives: every rank measures the same widths in the same order.
         latency = {w: allsum_latency(self.group, w, hidden, reps=10) for w in sorted(widths)}
-        collectives = collectives_per_pass(self.model)
         rows = []
         for m in methods:
+            # A drafter on a pipeline gets its taps in one more all-sum; an adaptive width, rank 0's clock in one.
+            collectives = collectives_per_pass(self.model, taps=m.kind == "dflash")
+            collectives += int(getattr(m, "adaptive", False))
             runs = [rec["runs"][m.name] for rec in records]
             comm = [r.comm for r in runs if getattr(r, "comm", None)]
             passes = sum(c["passes"] for c in comm)

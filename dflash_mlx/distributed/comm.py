@@ -147,15 +147,15 @@ def allsum_latency(group, rows: int, hidden: int, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def collectives_per_pass(model) -> int:
+def collectives_per_pass(model, taps: bool = True) -> int:
     """Collectives one forward pass of a split mlx-lm model makes.
 
     Tensor parallel: one all-sum per sharded output projection and per module that sums its own output (mlx-lm's
-    `sharding_group`). Pipeline: the stage hand-off and the all-gather of the final hidden state, plus the
-    all-sum that brings the drafter the tapped features of the committed positions.
+    `sharding_group`). Pipeline: the stage hand-off and the all-gather of the final hidden state, plus (`taps`)
+    the all-sum that brings the drafter the tapped features of the committed positions.
     """
     if is_pipelined(model):
-        return 3
+        return 2 + int(taps)
     n = 0
     for _, m in model.named_modules():
         if type(m).__name__.endswith("ShardedToAllLinear") or getattr(m, "sharding_group", None) is not None:
