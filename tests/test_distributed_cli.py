@@ -180,11 +180,25 @@ def test_chat_under_mlx_launch_replies_like_one_process(pair, monkeypatch, capsy
     assert launched.stdout == single and "dflash-mlx chat" in single
 
 
-def test_bench_distributed_reports_traffic_and_matches_one_process(pair, tmp_path):
+@pytest.fixture(scope="module")
+def qwen2_pair(tmp_path_factory):
+    """A tiny pair whose target mlx-lm splits both ways: by heads and into pipeline stages."""
+    return make_tiny_pair(tmp_path_factory.mktemp("qwen2"), arch="qwen2")
+
+
+# Bytes rank 0 moves per plain decoding pass (one token, hidden 64, fp32: 256-byte activations). Tensor parallel:
+# each of 8 all-sums sends and receives 256 bytes. Pipeline: rank 0 (the last stage) receives the hand-off and
+# all-gathers the last hidden state (sends 256, receives 256).
+PLAIN_PASS_BYTES = {"tensor": 8 * 2 * 256, "pipeline": 256 + 2 * 256}
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_bench_distributed_reports_traffic_and_matches_one_process(qwen2_pair, tmp_path, split):
     """`bench --distributed` on 2 ranks: rank 0 alone prints and writes the report; every method commits the single
-    process's tokens; plain decoding moves exactly its all-sums' bytes per pass."""
+    process's tokens; plain decoding moves exactly its collectives' bytes per pass."""
     from dflash_mlx.bench import BenchConfig, run_bench
 
+    pair = qwen2_pair
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Write a function that adds two numbers."}) + "\n")
     options = dict(model=str(pair[0]), draft=str(pair[1]), oracle=True, prompts=str(prompts), max_tokens=10)
@@ -192,20 +206,19 @@ def test_bench_distributed_reports_traffic_and_matches_one_process(pair, tmp_pat
     out = tmp_path / "out"
     rank0, rank1 = _cli("bench", "--distributed", "--model", options["model"], "--draft", options["draft"],
                         "--oracle", "--prompts", str(prompts), "--max-tokens", "10", "--no-profile",
-                        "--verify-prompts", "0", "--out", str(out))
+                        "--verify-prompts", "0", "--out", str(out), *(["--pipeline"] if split == "pipeline" else []))
     assert rank0.returncode == rank1.returncode == 0, rank0.stderr[-2000:] + rank1.stderr[-2000:]
     assert rank1.stdout == rank1.stderr == ""
-    assert "communication, 2 ranks, tensor parallel" in rank0.stdout and "KB/pass" in rank0.stdout
+    assert f"communication, 2 ranks, {split} parallel" in rank0.stdout and "KB/pass" in rank0.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["prompts"][0]["reference"] == single["prompts"][0]["reference"]
     assert [m["name"] for m in report["methods"]] == [m["name"] for m in single["methods"]]
     assert all(m["identical"] == 1 for m in report["methods"]), report["notes"]
     comm = report["communication"]
-    assert comm["counted"] and [m["name"] for m in comm["methods"]] == [m["name"] for m in single["methods"]]
+    assert comm["counted"] and comm["mode"] == split
+    assert [m["name"] for m in comm["methods"]] == [m["name"] for m in single["methods"]]
     plain = comm["methods"][0]
-    # Each all-sum of one token's activations (hidden 64, fp32) sends and receives 64 x 4 bytes over 2 ranks.
-    assert plain["collectives_per_pass"] > 0 and plain["passes"] > 0
-    assert abs(plain["bytes_per_pass"] - plain["collectives_per_pass"] * 2 * 64 * 4) < 64, plain
+    assert plain["passes"] > 0 and abs(plain["bytes_per_pass"] - PLAIN_PASS_BYTES[split]) < 64, plain
     for m in comm["methods"][1:]:  # a verify pass moves a block of several tokens
         assert m["bytes_per_pass"] > plain["bytes_per_pass"] and m["comm_ms_per_pass"] > 0, m
 
