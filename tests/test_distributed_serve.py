@@ -96,6 +96,9 @@ def test_two_rank_server_answers_like_one_process(pair, single, split):
         _wait_healthy(base, ranks)
         assert _replies(base) == single
         _leave_mid_stream("127.0.0.1", port)
+        # No seed: the ranks must still draw alike (a rank that drew otherwise would hang the next collective).
+        unseeded = _post(base, "/v1/completions", dict(prompt="Hello there", max_tokens=12, temperature=1.0))
+        assert unseeded["usage"]["completion_tokens"] == 12
         # Both ranks stopped after the same pass and kept identical caches: the next replies are still exact.
         assert _replies(base) == single
         with urllib.request.urlopen(base + "/metrics", timeout=30) as response:

@@ -8,15 +8,19 @@ Decisions that only rank 0 can make are shared at the points where every rank as
   passes on every rank; the answer is rank 0's, sent in a 4-byte all-sum, so all ranks stop after the same pass;
 - the prefix cache: every rank keeps its own, and before each request the ranks compare a digest of its keys
   (stages of a pipeline hold different bytes, so their evictions can differ); on a mismatch all of them drop it.
+- the random seed of a sampled request that has none: drawn on rank 0 and sent with the request (MLX's random
+  state belongs to a thread, and rank 0 generates on its server thread).
 Shutdown reaches every rank as an empty request. Every message is a collective on the engine's stream, so it is
 ordered behind whatever that stream still has in flight, on every rank alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import secrets
 import signal
 import sys
 from typing import Callable, Iterator, Optional
@@ -106,6 +110,10 @@ class Lockstep:
         return getattr(self.generator, name)
 
     def run(self, req, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+        if req.sampling.get("temp", 0) > 0 and req.sampling.get("seed") is None:
+            # MLX's random state belongs to a thread: rank 0 generates on its server thread, the others on their
+            # main thread, so an unseeded request would draw different numbers on each. One seed for all of them.
+            req = dataclasses.replace(req, sampling=dict(req.sampling, seed=secrets.randbelow(2**31 - 1)))
         broadcast_bytes(self.group, encode_request(req))
         if not agree_on_cache(self.group, self.generator):
             logger.warning("the ranks' prefix caches differed; every rank dropped its cache")
