@@ -119,10 +119,6 @@ class Lockstep:
             logger.warning("the ranks' prefix caches differed; every rank dropped its cache")
         yield from self.generator.run(req, should_stop=lambda: agree(self.group, should_stop()))
 
-    def shutdown(self) -> None:
-        """Tell the other ranks to leave `follow` (call once no generation runs)."""
-        broadcast_bytes(self.group, b"")
-
 
 def follow(generator, group: mx.distributed.Group) -> None:
     """Ranks other than 0: run every request rank 0 sends, in lockstep, until it sends the empty one."""
@@ -154,8 +150,6 @@ def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, qua
 
     if not launched():
         raise DFlashError("--pipeline splits a model over several machines: start the command with mlx.launch")
-    if host not in LOOPBACK and not settings.api_key:
-        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     target, tokenizer, draft = load(model, drafter, quant=quant, pipeline=pipeline)
     group = setup()
     if settings.model_name == "default":
@@ -166,18 +160,20 @@ def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, qua
         follow(Generator(target, tokenizer, draft, block_size=settings.block_size,
                          prompt_cache_bytes=settings.prompt_cache_bytes), group)
         return
-    app = create_app(target, tokenizer, draft, settings)
-    worker = app.state.server.worker
-    lockstep = Lockstep(worker.generator, group)
-    worker.generator = lockstep  # before the first request: the worker reads it for every job
+    if host not in LOOPBACK and not settings.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     # uvicorn re-raises the signal it shut down for once it is done; SIGTERM's default action would end this
     # process before the other ranks are told, so it becomes the same exception as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
+    worker = None
     try:
+        app = create_app(target, tokenizer, draft, settings)
+        worker = app.state.server.worker
+        worker.generator = Lockstep(worker.generator, group)  # before the first request: read for every job
         uvicorn.Server(_config(app, host, port, log_level)).run()
     finally:
-        worker.stop()  # a generation still running stops between two passes, on every rank
+        if worker is not None:
+            worker.stop()  # a generation still running stops between two passes, on every rank
         mx.synchronize(_stream())
-        lockstep.shutdown()
+        broadcast_bytes(group, b"")  # the other ranks leave `follow`
         print(f"dflash-mlx serve: stopped {group.size()} ranks", file=sys.stderr)
-
