@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -99,6 +100,9 @@ def test_two_rank_server_answers_like_one_process(pair, single, split):
         # No seed: the ranks must still draw alike (a rank that drew otherwise would hang the next collective).
         unseeded = _post(base, "/v1/completions", dict(prompt="Hello there", max_tokens=12, temperature=1.0))
         assert unseeded["usage"]["completion_tokens"] == 12
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(base, "/v1/completions", dict(prompt="Hello", max_tokens=4, logit_bias={"5": 3.0}))
+        assert refused.value.code == 400 and b"logit_bias is not supported" in refused.value.read()
         # Both ranks stopped after the same pass and kept identical caches: the next replies are still exact.
         assert _replies(base) == single
         with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
