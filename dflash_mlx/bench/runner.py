@@ -96,7 +96,6 @@ def _build_methods(cfg: BenchConfig, model):
 
     plain = PlainMethod(model, cfg.temp)
     drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft else None
-    exchanged = ranks.drafter_for if cfg.distributed else lambda model, d: d  # pipeline stages share their taps
     blocks = cfg.block_sizes or [drafter.block_size if drafter is not None else 16]
     others: List[Method] = []
     if cfg.ar_draft:
@@ -105,7 +104,7 @@ def _build_methods(cfg: BenchConfig, model):
     widest = max(blocks)
     if drafter is not None:
         target = prepare(model, drafter, probe=True)
-        drafter = exchanged(model, drafter)
+        drafter = ranks.drafter_for(model, drafter)  # a pipeline's stages share their taps with it
         if cfg.adaptive:
             others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
         if cfg.fixed_draft:
@@ -113,8 +112,8 @@ def _build_methods(cfg: BenchConfig, model):
         if cfg.random_draft:
             noise = build_drafter(drafter.config)  # same shape, random weights: acceptance collapses
             mx.eval(noise.parameters())
-            others.append(DFlashMethod(prepare(model, noise), exchanged(model, noise), widest, cfg.temp, adaptive=True,
-                                       label="random"))
+            others.append(DFlashMethod(prepare(model, noise), ranks.drafter_for(model, noise), widest, cfg.temp,
+                                       adaptive=True, label="random"))
     oracles: List[Method] = []
     if cfg.oracle:
         bare = TargetModel(model)  # no taps: the oracle reads no features

@@ -42,7 +42,7 @@ def load_target(cfg):
 
 
 def drafter_for(model, drafter):
-    """The drafter as a pipelined target's stages need it (fed every stage's taps); others unchanged."""
+    """The drafter as a pipelined target's stages need it (fed every stage's taps); unchanged for any other."""
     return FeatureExchange(drafter) if drafter is not None and is_pipelined(model) else drafter
 
 
