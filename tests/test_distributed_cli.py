@@ -206,10 +206,11 @@ def test_bench_distributed_reports_traffic_and_matches_one_process(qwen2_pair, t
     out = tmp_path / "out"
     rank0, rank1 = _cli("bench", "--distributed", "--model", options["model"], "--draft", options["draft"],
                         "--oracle", "--prompts", str(prompts), "--max-tokens", "10", "--no-profile",
-                        "--verify-prompts", "0", "--out", str(out), *(["--pipeline"] if split == "pipeline" else []))
+                        "--verify-prompts", "1", "--out", str(out), *(["--pipeline"] if split == "pipeline" else []))
     assert rank0.returncode == rank1.returncode == 0, rank0.stderr[-2000:] + rank1.stderr[-2000:]
     assert rank1.stdout == rank1.stderr == ""
     assert f"communication, 2 ranks, {split} parallel" in rank0.stdout and "KB/pass" in rank0.stdout
+    assert "verify cost vs one decode step" in rank0.stdout and "drafting cost per block" in rank0.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["prompts"][0]["reference"] == single["prompts"][0]["reference"]
     assert [m["name"] for m in report["methods"]] == [m["name"] for m in single["methods"]]
