@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from dflash_mlx.api import prepare
+from dflash_mlx.distributed.comm import allsum_latency, collectives_per_pass
 from dflash_mlx.drafter_io import load_drafter
 from dflash_mlx.engine import dflash_generate_step
 
@@ -108,25 +109,6 @@ def _measured_run(target, drafter, ids: List[int], max_tokens: int, block: int, 
     return run
 
 
-def _allsum_latency(group, rows: int, hidden: int, reps: int = 20) -> float:
-    x = mx.ones((1, rows, hidden))
-    mx.eval(mx.distributed.all_sum(x, group=group))
-    tic = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(mx.distributed.all_sum(x, group=group))
-    return (time.perf_counter() - tic) / reps
-
-
-def _collectives_per_pass(model) -> int:
-    """All-sums one tensor-parallel forward pass makes: one per sharded output projection and per module that
-    sums its own output (mlx-lm's `sharding_group`)."""
-    n = 0
-    for _, m in model.named_modules():
-        if type(m).__name__.endswith("ShardedToAllLinear") or getattr(m, "sharding_group", None) is not None:
-            n += 1
-    return n
-
-
 def measure(mode: str, target_dir: str, drafter_dir: str, args) -> Optional[Dict]:
     """Run this process's part of `mode`; rank 0 (or the single process) returns the figures."""
     from mlx_lm.utils import load_model, load_tokenizer
@@ -154,7 +136,7 @@ def measure(mode: str, target_dir: str, drafter_dir: str, args) -> Optional[Dict
     _decode_run(target, drafter, _encode(tokenizer, PROMPTS[0]), 4, block, group, traffic)  # warm-up
     runs = [_measured_run(target, drafter, _encode(tokenizer, p), args.max_tokens, block, group, traffic)
             for p in PROMPTS[: args.prompts]]
-    latency = _allsum_latency(group, block, target.hidden_size) if group is not None else None  # every rank
+    latency = allsum_latency(group, block, target.hidden_size) if group is not None else None  # every rank
     if group is not None and group.rank() != 0:
         return None
     cycles = sum(r["cycles"] for r in runs)
@@ -166,7 +148,7 @@ def measure(mode: str, target_dir: str, drafter_dir: str, args) -> Optional[Dict
                traffic_counted=bool(traffic and traffic.available))
     if group is not None:
         out["allsum_ms"] = 1e3 * latency
-        out["collectives_per_pass"] = _collectives_per_pass(model) if mode.startswith("tensor") else None
+        out["collectives_per_pass"] = collectives_per_pass(model) if mode.startswith("tensor") else None
     return out
 
 

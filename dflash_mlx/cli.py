@@ -185,6 +185,7 @@ def serve(
                                                      "template, e.g. '{\"enable_thinking\": false}'."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id clients use "
                                                     "(default: --model)."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
     options = dict(locals())
@@ -276,17 +277,25 @@ def bench(
                                                   "prompts (default: all)."),
     fixed_draft: bool = typer.Option(True, "--fixed-draft/--no-fixed-draft", help="Also run the drafter at each "
                                      "fixed --block-size (the oracle always is)."),
+    distributed: bool = typer.Option(False, "--distributed", help="Under mlx.launch: split the target over the "
+                                     "ranks and add per-pass communication bytes and time to the report."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Benchmark DFlash against mlx-lm decoding: same target, weights and prompts, methods alternated."""
+    from . import distributed as ranks
     from .bench import BenchConfig, format_table, run_bench
 
+    distributed = distributed or pipeline or ranks.launched()
+    if distributed and not ranks.launched():
+        raise DFlashError("--distributed and --pipeline split the target over several ranks: start the command with "
+                          "mlx.launch (see docs/distributed.md)")
     config = BenchConfig(
         model=model, draft=draft, ar_draft=ar_draft, oracle=oracle, prompts=prompts, num_prompts=num_prompts,
         max_tokens=max_tokens, block_sizes=_int_list(block_size, "--block-size"),
         num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
         out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
-        profile_prompts=profile_prompts, fixed_draft=fixed_draft)
+        profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline)
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

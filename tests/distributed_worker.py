@@ -2,7 +2,8 @@
 
 For each job, each rank loads a saved tiny target split over the group (tensor or pipeline parallel), runs the
 decoding scenarios of `run_scenarios` and prints one JSON line: its token streams and whether its caches were exact
-after an early stop. One launch runs every job (starting processes is the slow part). The test runs the same `run_scenarios` on the unsplit target in its own process and compares.
+after an early stop. One launch runs every job (starting processes is the slow part). The test runs the same
+`run_scenarios` on the unsplit target in its own process and compares.
 
     python tests/distributed_worker.py JOBS_JSON
 """

@@ -178,3 +178,93 @@ def test_chat_under_mlx_launch_replies_like_one_process(pair, monkeypatch, capsy
                                 *options], typed)
     assert launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout == single and "dflash-mlx chat" in single
+
+
+@pytest.fixture(scope="module")
+def qwen2_pair(tmp_path_factory):
+    """A tiny pair whose target mlx-lm splits both ways: by heads and into pipeline stages."""
+    return make_tiny_pair(tmp_path_factory.mktemp("qwen2"), arch="qwen2")
+
+
+# Bytes rank 0 moves per plain decoding pass (one token, hidden 64, fp32: 256-byte activations). Tensor parallel:
+# each of 8 all-sums sends and receives 256 bytes. Pipeline: rank 0 (the last stage) receives the hand-off and
+# all-gathers the last hidden state (sends 256, receives 256).
+PLAIN_PASS_BYTES = {"tensor": 8 * 2 * 256, "pipeline": 256 + 2 * 256}
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_bench_distributed_reports_traffic_and_matches_one_process(qwen2_pair, tmp_path, split):
+    """`bench --distributed` on 2 ranks: rank 0 alone prints and writes the report; every method commits the single
+    process's tokens; plain decoding moves exactly its collectives' bytes per pass."""
+    from dflash_mlx.bench import BenchConfig, run_bench
+
+    pair = qwen2_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Write a function that adds two numbers."}) + "\n")
+    options = dict(model=str(pair[0]), draft=str(pair[1]), oracle=True, prompts=str(prompts), max_tokens=10)
+    single = run_bench(BenchConfig(**options, profile=False, verify_prompts=0, progress=False))
+    out = tmp_path / "out"
+    rank0, rank1 = _cli("bench", "--distributed", "--model", options["model"], "--draft", options["draft"],
+                        "--oracle", "--prompts", str(prompts), "--max-tokens", "10", "--no-profile",
+                        "--verify-prompts", "1", "--out", str(out), *(["--pipeline"] if split == "pipeline" else []))
+    assert rank0.returncode == rank1.returncode == 0, rank0.stderr[-2000:] + rank1.stderr[-2000:]
+    assert rank1.stdout == rank1.stderr == ""
+    assert f"communication, 2 ranks, {split} parallel" in rank0.stdout and "KB/pass" in rank0.stdout
+    assert "verify cost vs one decode step" in rank0.stdout and "drafting cost per block" in rank0.stdout
+    report = json.loads((out / "bench.json").read_text())
+    assert report["prompts"][0]["reference"] == single["prompts"][0]["reference"]
+    assert [m["name"] for m in report["methods"]] == [m["name"] for m in single["methods"]]
+    assert all(m["identical"] == 1 for m in report["methods"]), report["notes"]
+    comm = report["communication"]
+    assert comm["counted"] and comm["mode"] == split
+    assert [m["name"] for m in comm["methods"]] == [m["name"] for m in single["methods"]]
+    plain = comm["methods"][0]
+    assert plain["passes"] > 0 and abs(plain["bytes_per_pass"] - PLAIN_PASS_BYTES[split]) < 64, plain
+    for m in comm["methods"][1:]:  # a verify pass moves a block of several tokens
+        assert m["bytes_per_pass"] > plain["bytes_per_pass"] and m["comm_ms_per_pass"] > 0, m
+
+
+def test_bench_distributed_without_a_launcher_is_one_line(pair, capsys):
+    code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--distributed"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "mlx.launch" in err, err
+
+
+def test_serve_refuses_a_rank_count_that_does_not_divide_the_heads(pair, tmp_path):
+    # 3 attention heads over 2 ranks: one line on rank 0 before any port is opened, a silent exit 2 on rank 1.
+    model = build("qwen3_moe", num_attention_heads=3, num_key_value_heads=1)
+    target = _save(model, CONFIGS["qwen3_moe"] | {"num_attention_heads": 3, "num_key_value_heads": 1},
+                   tmp_path / "three_heads")
+    _one_line_error(_cli("serve", "--model", str(target), "--draft", str(pair[1]), "--port", str(free_ports(1)[0])),
+                    "2 ranks cannot split the target's num_attention_heads (3) evenly", "(3)")
+
+
+def test_serve_pipeline_without_a_launcher_is_one_line(pair, capsys):
+    code = main(["serve", "--model", str(pair[0]), "--draft", str(pair[1]), "--pipeline"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "mlx.launch" in err, err
+
+
+@pytest.mark.slow
+def test_connecting_rank_alone_gives_up_with_one_line(pair, tmp_path):
+    # Rank 1 connects (rank 0 accepts): MLX retries for about 30 s and cannot be interrupted; the line says so.
+    hostfile = write_hostfile(tmp_path / "hosts.json", 2)
+    env = dict(os.environ, MLX_RANK="1", MLX_HOSTFILE=str(hostfile), DFLASH_MLX_CONNECT_TIMEOUT="2")
+    p = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", *GENERATE, "--model", str(pair[0]), "--draft",
+                        str(pair[1])], env=env, capture_output=True, text=True, timeout=LIMIT)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 could not "), p.stderr
+
+
+def test_hub_targets_are_fetched_with_one_line_errors(monkeypatch, tmp_path):
+    from dflash_mlx.distributed.sharding import target_path
+    from dflash_mlx.errors import DFlashError
+
+    assert target_path(str(tmp_path)) == tmp_path
+    with pytest.raises(DFlashError, match="not found: give a local model directory"):
+        target_path(str(tmp_path / "missing"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(DFlashError, match="could not download target .nobody/no-such-model.: "):
+        target_path("nobody/no-such-model")

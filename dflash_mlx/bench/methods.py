@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from ..acceptance import make_acceptor
+from ..distributed import agree_on_width
 from ..engine import DecodeState, dflash_generate_step, prefill
 from ..oracle import OracleDrafter
 from ..target import TargetModel
@@ -204,7 +205,8 @@ class DFlashMethod(Method):
         if len(ids) > 1:
             prefill(self.target, drafter, mx.array(ids[:-1], dtype=mx.int32), state, PREFILL_STEP)
         acceptor = make_acceptor(temp=self.temp, seed=seed)  # rejection sampling when temp > 0
-        fixed, width = (None, WidthPolicy(self.block)) if self.adaptive else (self.block, None)
+        # Several ranks (bench --distributed) must choose alike: rank 0's clock paces them all.
+        fixed, width = (None, agree_on_width(WidthPolicy(self.block))) if self.adaptive else (self.block, None)
         cycles = dflash_generate_step(mx.array(ids[-1:], dtype=mx.int32), self.target, drafter,
                                       max_tokens=max_tokens, block_size=fixed, mask_token_id=self.mask_token_id,
                                       stop_tokens=stops, state=state, acceptor=acceptor, width=width,

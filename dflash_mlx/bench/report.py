@@ -161,6 +161,10 @@ def format_table(report: dict) -> str:
             drafting = ", ".join(f"B={w} {r:.3f} steps ({vc['draft_ms'][w]:.1f} ms)"
                                  for w, r in vc["draft_steps"].items())
             out.append(f"drafting cost per block, in decode steps: {drafting}")
+    if report.get("communication"):  # bench --distributed
+        from ..distributed.bench import format_communication
+
+        out += format_communication(report["communication"])
     out += [f"note: {n}" for n in report.get("notes", [])]
     return "\n".join(out)
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
+from ..distributed import bench as ranks
 from ..errors import DFlashError
 from ..loading import load_target, prepare, resolve_target, shipped_drafter_for
 from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, draft_costs, verify_costs
@@ -49,6 +50,8 @@ class BenchConfig:
     verify_prompts: int = 3  # prompts on which the k-token verify cost and the drafting cost are measured
     warmup: bool = True
     progress: bool = True
+    distributed: bool = False  # under mlx.launch: the target split over the ranks (docs/distributed.md)
+    pipeline: bool = False  # distributed: pipeline stages instead of tensor parallelism
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -102,6 +105,7 @@ def _build_methods(cfg: BenchConfig, model):
     widest = max(blocks)
     if drafter is not None:
         target = prepare(model, drafter, probe=True)
+        drafter = ranks.drafter_for(model, drafter)  # a pipeline's stages share their taps with it
         if cfg.adaptive:
             others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
         if cfg.fixed_draft:
@@ -109,8 +113,8 @@ def _build_methods(cfg: BenchConfig, model):
         if cfg.random_draft:
             noise = build_drafter(drafter.config)  # same shape, random weights: acceptance collapses
             mx.eval(noise.parameters())
-            others.append(DFlashMethod(prepare(model, noise), noise, widest, cfg.temp, adaptive=True,
-                                       label="random"))
+            others.append(DFlashMethod(prepare(model, noise), ranks.drafter_for(model, noise), widest, cfg.temp,
+                                       adaptive=True, label="random"))
     oracles: List[Method] = []
     if cfg.oracle:
         bare = TargetModel(model)  # no taps: the oracle reads no features
@@ -124,10 +128,11 @@ def _build_methods(cfg: BenchConfig, model):
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; return the report (also written under `cfg.out` when given)."""
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
-    model, tokenizer = load_target(resolve_target(cfg.model))
+    model, tokenizer = ranks.load_target(cfg) if cfg.distributed else load_target(resolve_target(cfg.model))
     plain, oracles, others, blocks = _build_methods(cfg, model)
     units: List[List[Method]] = [[plain] + oracles] + [[m] for m in others]
     methods = [m for unit in units for m in unit]
+    meter = ranks.Meter(methods, model) if cfg.distributed else None  # ring traffic per run
     stops = [] if cfg.ignore_eos else sorted(tokenizer.eos_token_ids)
     encoded = [encode_prompt(tokenizer, p.text, cfg.chat_template) for p in prompts]
     ks = sorted(set(VERIFY_KS) | set(blocks) | {m.block for m in others})
@@ -168,6 +173,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                             drafting=drafting))
 
     report = summarize(methods, plain.name, records, greedy=cfg.temp == 0)
+    if meter is not None:
+        report["communication"] = meter.report(methods, records)
     report["config"] = {**asdict(cfg), "block_sizes": blocks}
     report["environment"] = _environment()
     if cfg.out:

@@ -2,7 +2,7 @@
 
 Start one copy of the program per machine with MLX's launcher, e.g.
 
-    mlx.launch --hostfile hosts.json -- dflash-mlx generate -m MODEL -p "..."
+    mlx.launch --hostfile hosts.json -- dflash-mlx generate -m MODEL -p "..."   # or chat, serve, bench
 
 and every rank loads its share of the target (tensor parallel by default, `pipeline=True` for stages), keeps a
 whole drafter, and runs the same decoding loop: the drafts, acceptance and sampling decisions agree on every rank
@@ -15,8 +15,9 @@ because their inputs and random keys do. Rank 0 prints. From Python:
         print(r.text, end="")
 
 Modules: `group` (joining the group, shared seed, rank-0 output), `sharding` (checks and loading), `pipeline`
-(a pipeline stage as a DFlash target), `comm` (bytes on the wire, for benchmarks), `local` (starting ranks on
-this machine, for tests and benchmarks).
+(a pipeline stage as a DFlash target), `serving` (`serve`: rank 0's HTTP requests run in lockstep on every rank),
+`bench` (`bench --distributed`), `comm` (bytes on the wire and collectives, for benchmarks), `local` (starting
+ranks on this machine, for tests and benchmarks).
 """
 
 from .group import SharedClock, agree_on_width, launched, setup, shared_seed

@@ -120,3 +120,44 @@ def _ring_sockets(addresses: Set[Tuple[str, int]]) -> Dict[str, socket.socket]:
         else:
             s.close()
     return found
+
+
+def is_pipelined(model) -> bool:
+    """Whether an mlx-lm model was split into pipeline stages (mlx-lm's `pipeline()`)."""
+    from ..target.families import text_lm
+
+    return getattr(getattr(text_lm(model), "model", None), "pipeline_size", 1) > 1
+
+
+def allsum_latency(group, rows: int, hidden: int, reps: int = 20) -> float:
+    """Seconds one all-sum of a [1, rows, hidden] fp32 block takes on `group` (median of `reps`, after a warm-up).
+
+    Every rank must call it with the same arguments (it is a collective)."""
+    import statistics
+
+    import mlx.core as mx
+
+    x = mx.ones((1, rows, hidden))
+    mx.eval(mx.distributed.all_sum(x, group=group))
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def collectives_per_pass(model, taps: bool = True) -> int:
+    """Collectives one forward pass of a split mlx-lm model makes.
+
+    Tensor parallel: one all-sum per sharded output projection and per module that sums its own output (mlx-lm's
+    `sharding_group`). Pipeline: the stage hand-off and the all-gather of the final hidden state, plus (`taps`)
+    the all-sum that brings the drafter the tapped features of the committed positions.
+    """
+    if is_pipelined(model):
+        return 2 + int(taps)
+    n = 0
+    for _, m in model.named_modules():
+        if type(m).__name__.endswith("ShardedToAllLinear") or getattr(m, "sharding_group", None) is not None:
+            n += 1
+    return n

@@ -14,6 +14,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 import traceback
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -62,7 +63,8 @@ def init_group(backend: str = "any", timeout: Optional[float] = None) -> mx.dist
     """Join the group this process was launched into; fail with one line if the others cannot be reached in time.
 
     MLX's ring backend waits for its neighbours in a blocking accept that holds the interpreter, so the limit is a
-    SIGALRM (it interrupts the accept; a connecting rank gives up by itself after about 30 s).
+    SIGALRM (it interrupts the accept). A connecting rank cannot be interrupted: MLX gives up by itself after about
+    30 s, so the error names the time really waited.
     """
     if not mx.distributed.is_available():
         raise DFlashError("this MLX build has no distributed backend; install mlx with distributed support")
@@ -72,12 +74,15 @@ def init_group(backend: str = "any", timeout: Optional[float] = None) -> mx.dist
     if use_alarm:
         previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(True))
         signal.setitimer(signal.ITIMER_REAL, timeout)
+    started = time.monotonic()
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:
         hosts = os.environ.get("MLX_HOSTFILE", "the hostfile")
         if fired:
-            raise DFlashError(f"rank {_env_rank()} could not reach the other ranks within {timeout:g} s (hosts in "
+            waited = time.monotonic() - started
+            shown = f"{timeout:g}" if waited < timeout + 1 else f"{waited:.0f}"
+            raise DFlashError(f"rank {_env_rank()} could not reach the other ranks within {shown} s (hosts in "
                               f"{hosts}); check that every host is up and reachable, or raise {TIMEOUT_ENV}") from e
         raise DFlashError(f"rank {_env_rank()} could not join the distributed group ({e}); check the hosts in "
                           f"{hosts} and that every rank was started") from e

@@ -59,25 +59,52 @@ def run_local(argv: Sequence[str], ranks: int = 2, timeout: float = 60.0, env: O
 
     `hostfile` overrides the generated one (e.g. to name a rank that is never started).
     """
-    with tempfile.TemporaryDirectory(prefix="dflash-ranks-") as tmp:
-        tmp_path = Path(tmp)
+    with LocalRanks(argv, ranks, env, cwd, hostfile) as started:
+        return started.wait(timeout)
+
+
+class LocalRanks:
+    """Ranks started now and collected later (`wait`), for a test that talks to them meanwhile (e.g. over HTTP).
+
+    `procs[r]` is rank r's process; leaving the `with` block kills any rank still running.
+    """
+
+    def __init__(self, argv: Sequence[str], ranks: int = 2, env: Optional[Dict[str, str]] = None,
+                 cwd: Optional[str] = None, hostfile: Optional[Path] = None):
+        self._tmp = tempfile.TemporaryDirectory(prefix="dflash-ranks-")
+        tmp_path = Path(self._tmp.name)
         hostfile = hostfile or write_hostfile(tmp_path / "hosts.json", ranks)
-        procs, outs = [], []
+        self.procs: List[subprocess.Popen] = []
+        self._outs = []
         for rank in range(ranks):
             out, err = open(tmp_path / f"{rank}.out", "w+"), open(tmp_path / f"{rank}.err", "w+")
             rank_env = dict(os.environ, **(env or {}), MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
-            procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, env=rank_env, cwd=cwd,
-                                          start_new_session=True))
-            outs.append((out, err))
-        killed = _wait(procs, time.monotonic() + timeout)
+            self.procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, env=rank_env, cwd=cwd,
+                                               start_new_session=True))
+            self._outs.append((out, err))
+
+    def wait(self, timeout: float) -> List[RankResult]:
+        """Every rank's result; ranks still running after `timeout` seconds (or GRACE after a failure) are killed."""
+        killed = _wait(self.procs, time.monotonic() + timeout)
         results = []
-        for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        for rank, (p, (out, err)) in enumerate(zip(self.procs, self._outs)):
             out.seek(0)
             err.seek(0)
             results.append(RankResult(rank, None if rank in killed else p.returncode, out.read(), err.read()))
+        return results
+
+    def __enter__(self) -> "LocalRanks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for out, err in self._outs:
             out.close()
             err.close()
-        return results
+        self._tmp.cleanup()
 
 
 def _wait(procs: List[subprocess.Popen], deadline: float) -> Set[int]:

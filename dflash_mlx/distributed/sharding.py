@@ -88,11 +88,21 @@ def load_sharded_model(path: str, group: mx.distributed.Group, pipeline: bool = 
     return shard_model(model, group, pipeline)
 
 
+def target_path(target: str, revision: Optional[str] = None) -> Path:
+    """The local folder of a target given as a local directory or a hub repo id (fetched into the hub cache)."""
+    from ..hub import fetch_target
+
+    local = Path(target).expanduser()
+    if local.exists():
+        return local
+    if target.startswith((".", "/", "~")) or target.count("/") != 1:
+        raise DFlashError(f"target '{target}' not found: give a local model directory or a hub repo id (org/name)")
+    return fetch_target(target, revision)  # one line when the hub cannot serve it
+
+
 def _local_files(target: str, drafter: Optional[str], quant: Optional[str], revision: Optional[str],
                  draft_revision: Optional[str]) -> Tuple[Path, str]:
     """Resolve names and fetch files exactly as `dflash_mlx.load` does (offline names, registry, hub)."""
-    from mlx_lm.utils import _download
-
     from ..loading import drafter_location, is_short_name, resolve_name
 
     if is_short_name(target):
@@ -101,14 +111,7 @@ def _local_files(target: str, drafter: Optional[str], quant: Optional[str], revi
         raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models')")
     if drafter is None:
         raise DFlashError("no drafter given: pass --draft (a DFlash drafter for this target)")
-    local = Path(target).expanduser()
-    if not local.exists() and (target.startswith((".", "/", "~")) or target.count("/") != 1):
-        raise DFlashError(f"target '{target}' not found: give a local model directory or a hub repo id (org/name)")
-    try:
-        path = local if local.exists() else _download(target, revision=revision)
-    except Exception as e:  # hub errors (offline, unknown repo) come in many types
-        raise DFlashError(f"could not fetch target '{target}': {type(e).__name__}: {e}") from e
-    return path, drafter_location(drafter, draft_revision)
+    return target_path(target, revision), drafter_location(drafter, draft_revision)
 
 
 def load(

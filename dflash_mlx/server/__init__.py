@@ -86,13 +86,20 @@ def start_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str 
 
 
 def serve(model: str, drafter: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
-          quant: Optional[str] = None, settings: Optional[ServerSettings] = None, log_level: str = "info") -> None:
+          quant: Optional[str] = None, settings: Optional[ServerSettings] = None, log_level: str = "info",
+          pipeline: bool = False) -> None:
     """Load a target and drafter with `dflash_mlx.load` and serve them until interrupted."""
     import uvicorn
 
     from ..api import load
+    from ..distributed import launched
 
     settings = settings or ServerSettings()
+    if pipeline or launched():  # under mlx.launch: rank 0 serves, every rank generates (docs/distributed.md)
+        from ..distributed.serving import serve_ranks
+
+        return serve_ranks(model, drafter, host=host, port=port, quant=quant, settings=settings,
+                           log_level=log_level, pipeline=pipeline)
     if host not in LOOPBACK and not settings.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     target, tokenizer, draft = load(model, drafter, quant=quant)
@@ -125,7 +132,7 @@ def parse_bytes(text: str) -> int:
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
                    api_key: Optional[str], max_queue: int, prompt_cache_bytes: str, block_size: Optional[int],
                    max_tokens: int, temp: float, chat_template_args: Optional[str],
-                   served_model_name: Optional[str]) -> None:
+                   served_model_name: Optional[str], pipeline: bool = False) -> None:
     """`dflash-mlx serve`: check every option before loading the model, then serve."""
     from ..errors import DFlashError
 
@@ -141,4 +148,4 @@ def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], ho
                               max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
                               block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
                               chat_template_kwargs=template_args)
-    serve(model, draft, host=host, port=port, quant=quant, settings=settings)
+    serve(model, draft, host=host, port=port, quant=quant, settings=settings, pipeline=pipeline)

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..acceptance import make_acceptor
+from ..distributed.group import agree_on_width
 from ..engine import DecodeState, dflash_generate_step, prefill
 from ..loading import prepare
 from ..stats import AcceptanceStats, CollapseWatch
@@ -154,6 +155,7 @@ class Generator:
             # clock), so the same seed gives the same reply.
             seeded = req.sampling.get("seed") is not None
             width = WidthPolicy(self.drafter.block_size, cost=nominal_cost if seeded else None)
+            width = agree_on_width(width)  # several ranks (mx.distributed) must choose alike
         if position > 0:
             acceptor.observe(mx.array(prompt[:position], dtype=mx.int32))  # logits processors see the whole prompt
         steps = dflash_generate_step(mx.array(prompt[position:], dtype=mx.int32), self.target, self.drafter,
