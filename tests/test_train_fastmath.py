@@ -1,4 +1,4 @@
-"""The training step's exp, softmax, log-sum-exp and SiLU (train/fastmath.py) against MLX's own, values and
+"""The training step's exp, log-sum-exp and SiLU (train/fastmath.py) against MLX's own, values and
 gradients, including the masked (-inf) entries the block attention relies on."""
 
 from __future__ import annotations
@@ -23,15 +23,11 @@ def test_exp_matches_float64_and_is_exact_at_the_ends():
     assert y[-4:].tolist() == [0.0, 0.0, 0.0, 1.0]  # exp(-inf) = 0: masked attention scores get no weight
 
 
-def test_softmax_and_its_gradient_match_mlx_with_masked_entries():
-    x = _x((4, 6, 40), 5)
-    x = mx.where(mx.arange(40) % 7 == 3, -mx.inf, x)
+def test_exp_gradient_and_masked_entries():
+    x = mx.where(mx.arange(40) % 7 == 3, -mx.inf, _x((4, 6, 40), 5))
     w = _x((4, 6, 40), 1, seed=1)
-    assert mx.allclose(fastmath.softmax(x), mx.softmax(x, axis=-1, precise=True), atol=1e-7).item()
-    mine = mx.grad(lambda x: (fastmath.softmax(x) * w).sum())
-    ref = mx.grad(lambda x: (mx.softmax(x, axis=-1, precise=True) * w).sum())
-    g = mine(x)
-    assert mx.allclose(g, ref(x), atol=1e-6).item()
+    g = mx.grad(lambda x: (fastmath.exp(x) * w).sum())(x)
+    assert mx.allclose(g, mx.grad(lambda x: (mx.exp(x) * w).sum())(x), rtol=1e-6, atol=1e-7).item()
     assert (g[..., 3] == 0).all().item()  # a masked score gets no gradient
 
 
