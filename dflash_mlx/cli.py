@@ -271,7 +271,11 @@ def bench(
     no_profile: bool = typer.Option(False, "--no-profile", help="Skip the extra synced run that splits DFlash time "
                                     "into draft / verify / rollback / host."),
     verify_prompts: int = typer.Option(3, "--verify-prompts", help="Prompts on which to measure the k-token verify "
-                                       "cost (0: skip)."),
+                                       "cost and the drafting cost per block size (0: skip)."),
+    profile_prompts: Optional[int] = typer.Option(None, "--profile-prompts", help="Profile only the first N "
+                                                  "prompts (default: all)."),
+    fixed_draft: bool = typer.Option(True, "--fixed-draft/--no-fixed-draft", help="Also run the drafter at each "
+                                     "fixed --block-size (the oracle always is)."),
 ):
     """Benchmark DFlash against mlx-lm decoding: same target, weights and prompts, methods alternated."""
     from .bench import BenchConfig, format_table, run_bench
@@ -281,7 +285,8 @@ def bench(
         max_tokens=max_tokens, block_sizes=_int_list(block_size, "--block-size"),
         num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
         out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
-        profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft)
+        profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
+        profile_prompts=profile_prompts, fixed_draft=fixed_draft)
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

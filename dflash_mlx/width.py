@@ -5,7 +5,9 @@ the drafter's block size); after the cycle's one host sync it reports `record(w,
 is `argmax_w E(w) / c(w)` over two running estimates:
 
 - c(w), seconds per cycle at width w (draft + verify + host), measured on the running machine from the time
-  between the engine's consecutive syncs (no extra sync), smoothed per width. Unmeasured widths are interpolated
+  between the engine's consecutive syncs (no extra sync): the median of the width's last few cycles, so a cycle
+  slowed by a neighbour's burst of work does not move it, and never more than a wider width's (a wider cycle
+  does more work). Unmeasured widths are interpolated
   between measured ones, extrapolated flat above the widest (so wider widths get tried) and, for plain decoding,
   guessed as a fraction of the cheapest drafting cycle until it is measured. Measurements expire after `expire`
   cycles, so the model follows the cost growth of a longer context.
@@ -23,39 +25,14 @@ keep the choice wrong.
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 
 class Width(Protocol):
     """What the engine asks of a width choice."""
 
-    def choose(self) -> int:
-        if not self.costs or self.max_width == 1:
-            return self.first_width
-        width = self.best()
-        up = min(self.max_width, max(2, 2 * width))
-        self.probe = None
-        if up > width and self.funded:
-            self.probe, self.funded = up, False
-            return up
-        for probe in (up, self._close_narrower(width)):
-            if probe is not None and probe != width and self.savings >= self.probe_cost(probe, width):
-                self.savings -= max(self.probe_cost(probe, width), 0.0)
-                self.probe = probe
-                return probe
-        return width
-
-    def probe_cost(self, probe: int, width: int) -> float:
-        """Seconds a cycle at `probe` loses against the same tokens committed at `width`'s rate."""
-        expected = self.expected_tokens()
-        return self.cost(probe) - expected[probe - 1] * self.cost(width) / expected[width - 1]
-
-    def _close_narrower(self, width: int) -> Optional[int]:
-        """Half the width, when its estimated rate is within 20% of the best: its cost may be stale (it is only
-        measured while in use), so it is re-measured now and then."""
-        narrower = max(1, width // 2)
-        rates = self.rates_per_second()
-        return narrower if narrower < width and rates[narrower - 1] >= 0.8 * rates[width - 1] else None
+    def choose(self) -> int: ...
 
     def record(self, width: int, accepted: int, seconds: float) -> None: ...
 
@@ -88,7 +65,7 @@ class WidthPolicy:
             drafter then loses no cycle, a useless one pays for one wide cycle).
         decay: weight kept by acceptance counts from one cycle to the next (memory ~ 1/(1-decay) cycles).
         prior: acceptance assumed for slot 1 before any data; `prior_weight` is its weight in observations.
-        smoothing: weight of a new cycle time in its width's running cost.
+        window: cycle times per width whose median is its cost.
         plain_guess: c(1) / c(cheapest measured width) assumed until plain decoding is measured.
         probe_budget: fraction of decoding time that probes may cost beyond the chosen width's cycles.
         expire: cycles after which a width's cost measurement is dropped.
@@ -97,19 +74,20 @@ class WidthPolicy:
     """
 
     def __init__(self, max_width: int, *, first_width: Optional[int] = None, decay: float = 0.98, prior: float = 0.5,
-                 prior_weight: float = 0.5, smoothing: float = 0.3, plain_guess: float = 0.6,
+                 prior_weight: float = 0.5, window: int = 5, plain_guess: float = 0.6,
                  probe_budget: float = 0.03, expire: int = 512, cost: Optional[Callable[[int], float]] = None):
         if max_width < 1:
             raise ValueError(f"max_width must be >= 1, got {max_width}")
         self.max_width = max_width
         self.first_width = max(1, min(first_width or max_width, max_width))
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
-        self.smoothing, self.plain_guess = smoothing, plain_guess
+        self.window, self.plain_guess = window, plain_guess
         self.probe_budget, self.expire = probe_budget, expire
         self.fixed_cost = cost
         self.hits = [0.0] * max_width  # index i: slot i (1..max_width-1); index 0 unused
         self.trials = [0.0] * max_width
         self.costs: Dict[int, Tuple[float, int]] = {}  # width -> (seconds per cycle, cycle index measured)
+        self.samples: Dict[int, List[float]] = {}  # width -> its last `window` cycle times
         self.cycles = 0
         self.savings = 0.0  # seconds saved up for probes
         self.probe: Optional[int] = None  # width of the probe in flight
@@ -138,6 +116,11 @@ class WidthPolicy:
         measured = sorted((w, c) for w, (c, _) in self.costs.items())
         if not measured:
             return None
+        # A wider cycle never costs less than a narrower one (more rows to verify; width 1 does not draft), so a
+        # narrower width's cost is capped by every wider one's: a slow moment measured while a width was in use
+        # cannot keep it looking dear after the machine calms down.
+        for i in range(len(measured) - 2, -1, -1):
+            measured[i] = (measured[i][0], min(measured[i][1], measured[i + 1][1]))
         table = dict(measured)
         if width in table:
             return table[width]
@@ -168,15 +151,29 @@ class WidthPolicy:
         if not self.costs or self.max_width == 1:
             return self.first_width
         width = self.best()
-        probe = min(self.max_width, max(2, 2 * width))
-        extra = self.cost(probe) - self.cost(width)
+        up = min(self.max_width, max(2, 2 * width))
         self.probe = None
-        if probe > width and (self.funded or self.savings >= extra):
-            if not self.funded:
-                self.savings -= max(extra, 0.0)
-            self.probe, self.funded = probe, False
-            return probe
+        if up > width and self.funded:
+            self.probe, self.funded = up, False
+            return up
+        for probe in (up, self._close_narrower(width)):
+            if probe is not None and probe != width and self.savings >= self.probe_cost(probe, width):
+                self.savings -= max(self.probe_cost(probe, width), 0.0)
+                self.probe = probe
+                return probe
         return width
+
+    def probe_cost(self, probe: int, width: int) -> float:
+        """Seconds a cycle at `probe` loses against the same tokens committed at `width`'s rate."""
+        expected = self.expected_tokens()
+        return self.cost(probe) - expected[probe - 1] * self.cost(width) / expected[width - 1]
+
+    def _close_narrower(self, width: int) -> Optional[int]:
+        """Half the width, when its estimated rate is within 20% of the best: its cost may be stale (it is only
+        measured while in use), so it is re-measured now and then."""
+        narrower = max(1, width // 2)
+        rates = self.rates_per_second()
+        return narrower if narrower < width and rates[narrower - 1] >= 0.8 * rates[width - 1] else None
 
     def record(self, width: int, accepted: int, seconds: float) -> None:
         """One finished cycle: `accepted` drafts of a `width`-token block, `seconds` since the previous sync."""
@@ -186,9 +183,10 @@ class WidthPolicy:
         # Savings are capped at one widest cycle, so a long wide stretch does not buy a burst of probes later.
         self.savings = min(self.savings + self.probe_budget * seconds, self.cost(self.max_width) or seconds)
         old = self.costs.get(width)
-        fresh = old is None or self.cycles - old[1] > self.expire
-        value = seconds if fresh else (1 - self.smoothing) * old[0] + self.smoothing * seconds
-        self.costs[width] = (value, self.cycles)
+        if old is None or self.cycles - old[1] > self.expire:
+            self.samples[width] = []
+        recent = self.samples[width] = (self.samples[width] + [seconds])[-self.window:]
+        self.costs[width] = (statistics.median(recent), self.cycles)
         self.costs = {w: v for w, v in self.costs.items() if self.cycles - v[1] <= self.expire}
         self.funded = self.probe == width and accepted > 0
         self.trials = [self.decay * t for t in self.trials]

@@ -65,6 +65,7 @@ def test_report_has_every_method_and_field(report, capsys):
     assert data["verify_cost"]["prompts"] == 1
     assert data["verify_cost"]["relative"]["1"] == 1.0
     assert {"4", "8", "16"} <= set(data["verify_cost"]["relative"])
+    assert set(data["verify_cost"]["draft_steps"]) == {str(BLOCK)} and data["verify_cost"]["draft_steps"][str(BLOCK)] > 0
     assert [p["id"] for p in data["prompts"]] == ["hello", "2"]
     assert data["config"]["block_sizes"] == [BLOCK]
 
@@ -137,3 +138,13 @@ def test_bench_needs_something_to_compare(pair, capsys):
     code = main(["bench", "--model", str(pair[0])])
     assert code == 2
     assert "give --draft, --ar-draft or --oracle" in capsys.readouterr().err
+
+
+def test_no_fixed_draft_and_profile_prompts(pair, prompts_file, tmp_path):
+    code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompts", str(prompts_file),
+                 "--num-prompts", "2", "--max-tokens", "6", "--block-size", str(BLOCK), "--no-fixed-draft",
+                 "--profile-prompts", "1", "--verify-prompts", "0", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [m["name"] for m in data["methods"]] == ["mlx-lm", "dflash adaptive"]
+    assert [bool(p["runs"]["dflash adaptive"].get("phases_s")) for p in data["prompts"]] == [True, False]

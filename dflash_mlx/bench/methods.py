@@ -242,3 +242,25 @@ def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: 
                 times[k].append(time.perf_counter() - tic)
             trim_prompt_cache(cache, k)
     return {k: statistics.median(t) for k, t in times.items()}
+
+
+def draft_costs(target: TargetModel, drafter, ids: Sequence[int], widths: Sequence[int],
+                repeats: int = 5) -> Dict[int, float]:
+    """Median seconds of one greedy draft of a `w`-token block after the context `ids`, for each width w > 1.
+
+    The draft cache holds the prompt's features, as it does when decoding starts; a draft leaves the cache
+    unchanged, so the same context serves every repeat. The widths take turns within each repeat.
+    """
+    state = DecodeState.fresh(target, drafter)
+    prefill(target, drafter, mx.array(list(ids), dtype=mx.int32), state, PREFILL_STEP)
+    mask = drafter.mask_token_id
+    widths = sorted(w for w in set(widths) if w > 1)
+    times: Dict[int, List[float]] = {w: [] for w in widths}
+    for r in range(repeats + 1):
+        for w in widths:
+            block = mx.array([[int(ids[-1])] + [mask] * (w - 1)], dtype=mx.int32)
+            tic = time.perf_counter()
+            mx.eval(drafter.greedy_draft(block, state.draft_cache))
+            if r:  # the first round is a warm-up
+                times[w].append(time.perf_counter() - tic)
+    return {w: statistics.median(t) for w, t in times.items()}

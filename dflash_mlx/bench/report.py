@@ -112,12 +112,19 @@ def _verify_summary(records: List[dict]) -> Optional[dict]:
     if not measured:
         return None
     ks = sorted(measured[0])
-    return {
+    summary = {
         "prompts": len(measured),
         "context_tokens": [len(r["ids"]) for r in records if r["verify"]],
         "ms": {str(k): statistics.median(m[k] for m in measured) * 1e3 for k in ks},
         "relative": {str(k): statistics.median(m[k] / m[1] for m in measured) for k in ks},
     }
+    # One greedy draft of a w-token block, in units of one decode step at the same context.
+    drafted = [(r["drafting"], r["verify"][1]) for r in records if r.get("drafting") and r["verify"]]
+    if drafted:
+        widths = sorted(drafted[0][0])
+        summary["draft_ms"] = {str(w): statistics.median(d[w] for d, _ in drafted) * 1e3 for w in widths}
+        summary["draft_steps"] = {str(w): statistics.median(d[w] / step for d, step in drafted) for w in widths}
+    return summary
 
 
 def format_table(report: dict) -> str:
@@ -150,6 +157,10 @@ def format_table(report: dict) -> str:
         step = vc["ms"]["1"]
         rel = ", ".join(f"k={k} {r:.2f}x" for k, r in vc["relative"].items() if k != "1")
         out.append(f"verify cost vs one decode step ({step:.1f} ms, median of {vc['prompts']} prompts): {rel}")
+        if vc.get("draft_steps"):
+            drafting = ", ".join(f"B={w} {r:.3f} steps ({vc['draft_ms'][w]:.1f} ms)"
+                                 for w, r in vc["draft_steps"].items())
+            out.append(f"drafting cost per block, in decode steps: {drafting}")
     out += [f"note: {n}" for n in report.get("notes", [])]
     return "\n".join(out)
 

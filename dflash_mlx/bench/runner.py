@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from ..loading import load_target, prepare, resolve_target, shipped_drafter_for
-from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, verify_costs
+from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, draft_costs, verify_costs
 from .prompts import encode_prompt, load_prompts
 from .report import summarize, write_chart, write_json
 
@@ -45,7 +45,8 @@ class BenchConfig:
     chat_template: bool = True
     ignore_eos: bool = False
     profile: bool = True  # an extra, synced run of each DFlash method for the per-phase times
-    verify_prompts: int = 3  # prompts on which the k-token verify cost is measured
+    profile_prompts: Optional[int] = None  # profile only the first N prompts (None: all)
+    verify_prompts: int = 3  # prompts on which the k-token verify cost and the drafting cost are measured
     warmup: bool = True
     progress: bool = True
 
@@ -130,6 +131,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     stops = [] if cfg.ignore_eos else sorted(tokenizer.eos_token_ids)
     encoded = [encode_prompt(tokenizer, p.text, cfg.chat_template) for p in prompts]
     ks = sorted(set(VERIFY_KS) | set(blocks) | {m.block for m in others})
+    # The drafter whose drafting cost is measured: the real one (not the random one), if any.
+    drafted = next((m for m in others if m.kind == "dflash" and m.name.startswith("dflash")), None)
 
     if cfg.warmup:  # first calls pay for graph set-up and allocation; keep them out of the numbers
         warm = min(8, cfg.max_tokens)
@@ -151,15 +154,18 @@ def run_bench(cfg: BenchConfig) -> dict:
             reference = runs[plain.name].tokens if m.kind == "oracle" else None
             runs[m.name] = m.run(ids, cfg.max_tokens, stops, reference, seed=seed)
         profiled = {}
-        if cfg.profile:
+        if cfg.profile and (cfg.profile_prompts is None or i < cfg.profile_prompts):
             for m in methods:
                 if m.kind in ("dflash", "oracle"):
                     profiled[m.name] = m.run(ids, cfg.max_tokens, stops, runs[plain.name].tokens, seed=seed,
                                              profile=True)
-        costs = None
+        costs, drafting = None, None
         if i < cfg.verify_prompts:
             costs = verify_costs(model, ids, runs[plain.name].tokens, ks)
-        records.append(dict(prompt=prompts[i], ids=ids, runs=runs, profiled=profiled, verify=costs))
+            if drafted is not None:
+                drafting = draft_costs(drafted.target, drafted.drafter, ids, blocks)
+        records.append(dict(prompt=prompts[i], ids=ids, runs=runs, profiled=profiled, verify=costs,
+                            drafting=drafting))
 
     report = summarize(methods, plain.name, records, greedy=cfg.temp == 0)
     report["config"] = {**asdict(cfg), "block_sizes": blocks}
