@@ -49,7 +49,7 @@ class BenchFigures:
         fixed = next((m for m in dflash if not m["name"].endswith("adaptive")), None)
         if plain is None or adaptive is None or fixed is None:
             raise DFlashError(f"bench report {source or ''} lacks plain, 'dflash B=N' or 'dflash adaptive' results: "
-                              "run `dflash-mlx bench` with the plain, fixed-block and adaptive methods")
+                              "run `dflash-mlx bench` without --no-fixed-draft (its default runs all three)")
         return cls(block_size=int(fixed["block"]), tau_fixed=float(fixed["tau"]), tau_adaptive=float(adaptive["tau"]),
                    speedup_adaptive=float(adaptive["speedup"]), plain_tok_s=float(plain["tok_s"]),
                    adaptive_tok_s=float(adaptive["tok_s"]), prompts=int(adaptive["prompts"]),
