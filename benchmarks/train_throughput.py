@@ -6,7 +6,9 @@ see the same machine load. Prints predicted slots per second (wall clock) and pe
         --baseline-cache DIR --cache DIR -- --num-layers 3 --draft-vocab 8192 --seq-len 512
 
 Options after `--` are `TrainArgs` fields (`--anchors 32`), given to both sides; `--new NAME=VALUE` adds options
-for this tree only (e.g. `--new anchors=128`). The cache directories must already hold complete feature caches.
+for this tree only (e.g. `--new anchors=128`); `--env NAME=VALUE` sets an environment variable for both workers
+(e.g. `--env DFLASH_MLX_BLAS=debian`: a multi-threaded OpenBLAS on both sides). The cache directories must already
+hold complete feature caches.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import dflash_mlx
 from dflash_mlx.train.command import TrainArgs, _setup
 args = TrainArgs(out=tempfile.mkdtemp(), progress=False, **spec)
 _, _, _, _, trainer, _, _ = _setup(args, False, lambda *a: None)
-print(json.dumps({"ready": dflash_mlx.__file__}), flush=True)
+print(json.dumps({"ready": dflash_mlx.__file__, "blas": getattr(sys.modules.get("dflash_mlx._blas"), "status", "n/a")}), flush=True)
 for line in sys.stdin:
     budget = float(line)
     slots0, wall0, cpu0, t0 = trainer.predicted, time.perf_counter(), time.process_time(), time.perf_counter()
@@ -69,6 +71,7 @@ def main() -> None:
     p.add_argument("--baseline-cache", required=True)
     p.add_argument("--cache", required=True)
     p.add_argument("--new", action="append", default=[], help="NAME=VALUE for this tree only")
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE in both workers' environment")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=30.0, help="training time per turn")
     a = p.parse_args(argv)
@@ -78,11 +81,13 @@ def main() -> None:
         "before": (a.baseline_src, dict(common, cache=a.baseline_cache)),
         "after": (here, dict(common, cache=a.cache, **{k: _value(v) for k, v in (x.split("=", 1) for x in a.new)})),
     }
+    env = dict(os.environ, **dict(x.split("=", 1) for x in a.env))
     procs = {}
     for name, (src, spec) in sides.items():
         procs[name] = subprocess.Popen([sys.executable, "-c", WORKER, src, json.dumps(spec)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True)
-        print(f"{name}: {json.loads(procs[name].stdout.readline())['ready']} {spec}", flush=True)
+                                       stdout=subprocess.PIPE, text=True, env=env)
+        ready = json.loads(procs[name].stdout.readline())
+        print(f"{name}: {ready['ready']} {spec}; BLAS {ready['blas']}", flush=True)
     totals = {name: {"slots": 0, "wall": 0.0, "cpu": 0.0} for name in sides}
     for r in range(a.rounds):
         for name in (sides if r % 2 == 0 else reversed(list(sides))):

@@ -226,8 +226,15 @@ def test_reduced_vocab_drafter_round_trips_and_drafts_target_ids(tmp_path, tiny_
                                rtol=1e-5, atol=1e-5)
     trainer = Trainer(drafter, tiny_cache, TrainConfig(steps=3, anchors=8, lr=1e-3))
     assert trainer.t2d[ids].tolist() == list(range(32))
+    # The reduced head is frozen: the step differentiates only the trained parameters (no head weight gradient).
+    grads = trainer._micro(trainer.batch(0), mx.array(1.0))[2]
+    names = [k for k, _ in tree_flatten(grads)]
+    assert names == [k for k, _ in tree_flatten(drafter.trainable_parameters())]
+    assert not any("lm_head" in k or "d2t" in k for k in names)
+    head = mx.array(drafter.lm_head.weight)
     for _ in range(3):
         trainer.train_step()
+    assert mx.array_equal(drafter.lm_head.weight, head).item()
     save_drafter(drafter, tmp_path / "d")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["draft_vocab_size"] == 32

@@ -1,13 +1,137 @@
 """The model card a training run writes next to its drafter: what it is for, the recipe it was trained with (every
-hyperparameter), its data and cost, and held-out τ against slots seen and training FLOPs (a table, and a PNG when
-matplotlib is installed: `pip install "dflash-mlx[bench]"`)."""
+hyperparameter), its data and cost, held-out τ against slots seen and training FLOPs (a table, and a PNG when
+matplotlib is installed: `pip install "dflash-mlx[bench]"`) with the compute the curve predicts for τ 3.5, and the
+drafter's figures on the bench once measured:
+
+    dflash-mlx bench ... --out RESULTS        # the drafter with its target: plain, B=16 and adaptive
+    python -m dflash_mlx.train.card DRAFTER_DIR RESULTS/bench.json
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ..errors import DFlashError
+
 CURVE_PNG = "tau_curve.png"
+BENCH_JSON = "bench_figures.json"  # the figures the card shows, next to it
+BENCH_HEADING = "## On the bench"
+GOAL_TAU = 3.5
+
+
+@dataclass(frozen=True)
+class BenchFigures:
+    """The drafter on the bench (one `dflash-mlx bench` report): τ at its block size with every cycle verifying the
+    whole block, and τ and speed with the adaptive width, against plain greedy decoding in the same run."""
+
+    block_size: int
+    tau_fixed: float
+    tau_adaptive: float
+    speedup_adaptive: float  # DFlash (adaptive width) tok/s over plain greedy tok/s
+    plain_tok_s: float
+    adaptive_tok_s: float
+    prompts: int
+    identical: str  # prompts whose output equals plain decoding, "k/n"
+    source: str = ""
+
+    @classmethod
+    def from_report(cls, report: Dict, source: str = "") -> "BenchFigures":
+        """Pick plain (mlx-lm), DFlash at a fixed block and DFlash adaptive out of a bench report's methods."""
+        methods = report.get("methods") or []
+        plain = next((m for m in methods if m.get("kind") == "mlx-lm"), None)
+        dflash = [m for m in methods if m.get("kind") == "dflash"]
+        adaptive = next((m for m in dflash if m["name"].endswith("adaptive")), None)
+        fixed = next((m for m in dflash if not m["name"].endswith("adaptive")), None)
+        if plain is None or adaptive is None or fixed is None:
+            raise DFlashError(f"bench report {source or ''} lacks plain, 'dflash B=N' or 'dflash adaptive' results: "
+                              "run `dflash-mlx bench` without --no-fixed-draft (its default runs all three)")
+        return cls(block_size=int(fixed["block"]), tau_fixed=float(fixed["tau"]), tau_adaptive=float(adaptive["tau"]),
+                   speedup_adaptive=float(adaptive["speedup"]), plain_tok_s=float(plain["tok_s"]),
+                   adaptive_tok_s=float(adaptive["tok_s"]), prompts=int(adaptive["prompts"]),
+                   identical=f"{adaptive['identical']}/{adaptive['prompts']}", source=str(source))
+
+    @classmethod
+    def from_dict(cls, raw: Dict) -> "BenchFigures":
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+
+def bench_section(fig: BenchFigures) -> str:
+    return f"""{BENCH_HEADING}
+
+| | |
+|---|---|
+| τ at B={fig.block_size} (every cycle verifies the block) | {fig.tau_fixed:.2f} |
+| τ with the adaptive width | {fig.tau_adaptive:.2f} |
+| speedup with the adaptive width | {fig.speedup_adaptive:.2f}x plain greedy ({fig.adaptive_tok_s:.2f} vs {fig.plain_tok_s:.2f} tok/s) |
+| prompts | {fig.prompts}, output identical to plain decoding on {fig.identical} |
+
+Measured by `dflash-mlx bench`{f' ({fig.source})' if fig.source else ''}.
+"""
+
+
+def projection(history: List[Dict], goal: float = GOAL_TAU) -> Optional[Dict]:
+    """What the held-out curve predicts for τ = `goal`: a least-squares line τ = a + b·log10(FLOPs) through the
+    evaluations after training started, extended to `goal`. None without two such points or a rising line."""
+    pts = [(math.log10(h["flops"]), h["tau"], h.get("slots") or 0) for h in history if (h.get("flops") or 0) > 0]
+    if len(pts) < 2 or len({x for x, _, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx_, my = sum(x for x, _, _ in pts) / n, sum(y for _, y, _ in pts) / n
+    b = sum((x - mx_) * (y - my) for x, y, _ in pts) / sum((x - mx_) ** 2 for x, _, _ in pts)
+    if b <= 0:
+        return None
+    a = my - b * mx_
+    last_x, last_tau, last_slots = pts[-1]
+    flops = 10 ** ((goal - a) / b)
+    slots = flops * last_slots / 10 ** last_x  # slots per FLOP as trained so far
+    return {"goal": goal, "tau_per_decade": b, "flops": flops, "slots": slots,
+            "more_flops": max(flops - 10 ** last_x, 0.0), "more_slots": max(slots - last_slots, 0.0),
+            "points": n}
+
+
+def projection_text(history: List[Dict], goal: float = GOAL_TAU) -> str:
+    p = projection(history, goal)
+    if p is None:
+        return (f"Projection to τ {goal}: needs at least two evaluations after training started on a rising curve "
+                "(none yet).")
+    return (f"Projection to τ {goal} (least squares over {p['points']} evaluations, τ = a + b·log10 FLOPs, "
+            f"b = {p['tau_per_decade']:.3f} per 10x): {p['flops']:.3g} training FLOPs and {p['slots']:.3g} predicted "
+            f"slots in all, {p['more_flops']:.3g} FLOPs and {p['more_slots']:.3g} slots more than so far. A log-linear "
+            "fit of a short curve is a rough guide: τ saturates eventually.")
+
+
+def read_bench(out: Path) -> Optional[BenchFigures]:
+    file = Path(out) / BENCH_JSON
+    return BenchFigures.from_dict(json.loads(file.read_text())) if file.is_file() else None
+
+
+def record_bench(out: Path, report_path: Path) -> BenchFigures:
+    """Store a bench report's figures next to the drafter (bench.json) and put them into its README.md."""
+    out, report_path = Path(out), Path(report_path)
+    if not report_path.is_file():
+        raise DFlashError(f"bench report '{report_path}' not found: run `dflash-mlx bench ... --out DIR` first (it writes DIR/bench.json)")
+    fig = BenchFigures.from_report(json.loads(report_path.read_text()), source=report_path.name)
+    (out / BENCH_JSON).write_text(json.dumps(asdict(fig), indent=1) + "\n")
+    card = out / "README.md"
+    if card.is_file():
+        card.write_text(with_section(card.read_text(), bench_section(fig)))
+    return fig
+
+
+def with_section(text: str, section: str) -> str:
+    """`text` with its bench section replaced by `section` (inserted before the recipe when there is none)."""
+    lines = text.split("\n")
+    start = next((i for i, l in enumerate(lines) if l.strip() == BENCH_HEADING), None)
+    if start is None:
+        at = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
+        return "\n".join(lines[:at] + section.split("\n") + lines[at:])
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[:start] + section.split("\n") + lines[end:])
 
 
 def recipe_rows(args, config, trainer) -> List[Tuple[str, str]]:
@@ -104,6 +228,8 @@ def write_card(out: Path, args, config, trainer, cache, extraction: Optional[Dic
     recipe = "\n".join(f"| {k} | {v} |" for k, v in recipe_rows(args, config, trainer))
     note = plot_curve(trainer.history, out / CURVE_PNG, f"{Path(args.target).name}: held-out τ at B={config.block_size}")
     figure = f"![held-out τ against training FLOPs]({CURVE_PNG})" if note is None else f"(Curve: {note}.)"
+    bench = read_bench(out)
+    bench_text = bench_section(bench) + "\n" if bench else ""
     text = f"""# DFlash drafter for `{Path(args.target).name}`
 
 Trained with `dflash-mlx train`. Load it with `dflash_mlx.load(TARGET, drafter=THIS_DIR)` or
@@ -113,7 +239,7 @@ Trained with `dflash-mlx train`. Load it with `dflash_mlx.load(TARGET, drafter=T
 |---|---|
 {table}
 
-## Recipe
+{bench_text}## Recipe
 
 | | |
 |---|---|
@@ -128,8 +254,30 @@ held-out prompt; FLOPs count the drafter's training matmuls (forward and backwar
 
 {figure}
 
+{projection_text(trainer.history)}
+
 Command:
 
     {args.command_line()}
 """
     (out / "README.md").write_text(text)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """python -m dflash_mlx.train.card DRAFTER_DIR BENCH_REPORT.json: put the bench figures into the card."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m dflash_mlx.train.card DRAFTER_DIR BENCH_REPORT.json", file=sys.stderr)
+        return 2
+    try:
+        fig = record_bench(Path(argv[0]), Path(argv[1]))
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{argv[0]}: τ {fig.tau_fixed:.2f} at B={fig.block_size}, {fig.speedup_adaptive:.2f}x with the adaptive "
+          "width")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

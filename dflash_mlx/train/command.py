@@ -312,7 +312,7 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
     from tqdm import tqdm
 
     from ..drafter_io import build_drafter, save_drafter
-    from .card import write_card
+    from .card import projection_text, write_card
     from .trainer import held_out_tau
 
     overrides = dict(steps=steps, max_minutes=max_minutes)
@@ -373,6 +373,7 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
     rate = (trainer.predicted - slots0) / max(trainer.elapsed - elapsed0, 1e-9)
     log(f"{trainer.step} steps, {trainer.predicted} slots in {trainer.elapsed:.0f} s ({rate:.0f} slots/s this "
         f"session); held-out τ {tau}; wrote {out}")
+    log(projection_text(trainer.history))
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..drafter import DFlashDrafter, DraftAttention
+from . import fastmath
 from .masks import context_mask, slot_mask
 
 
@@ -59,13 +60,23 @@ def _block_attention(attn: DraftAttention, x: mx.array, ctx_k: mx.array, ctx_v: 
     s_ctx = mx.where(ctx_mask[:, None], s_ctx, -mx.inf)
     if slots is not None:
         s_blk = mx.where(mx.tile(slots, (G, 1)), s_blk, -mx.inf)
-    p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
-    o_ctx = p[..., :S].reshape(R, nKV, A * G * B, S) @ ctx_v  # [R, nKV, A*G*B, hd]
-    p_blk = p[..., S:].transpose(0, 2, 1, 3, 4).reshape(R * A, nKV, G * B, B)
-    o_blk = (p_blk @ v).reshape(R, A, nKV, G * B, hd).transpose(0, 2, 1, 3, 4)  # [R, nKV, A, GB, hd]
-    out = o_ctx.reshape(R, nKV, A, G, B, hd) + o_blk.reshape(R, nKV, A, G, B, hd)
+    # One softmax over [context, own slots] without joining them: a shared shift m, exp of each part, and one
+    # division of the (hd-wide) output by the total weight instead of the (S+B-wide) probabilities.
+    m = mx.stop_gradient(mx.maximum(s_ctx.max(axis=-1), s_blk.max(axis=-1)))[..., None]  # shift-invariant
+    e_ctx, e_blk = fastmath.exp(s_ctx - m), fastmath.exp(s_blk - m)
+    total = e_ctx.sum(axis=-1) + e_blk.sum(axis=-1)  # [R, nKV, A, GB]
+    o_ctx = e_ctx.reshape(R, nKV, A * G * B, S) @ ctx_v  # [R, nKV, A*G*B, hd]
+    e_blk = e_blk.transpose(0, 2, 1, 3, 4).reshape(R * A, nKV, G * B, B)
+    o_blk = (e_blk @ v).reshape(R, A, nKV, G * B, hd).transpose(0, 2, 1, 3, 4)  # [R, nKV, A, GB, hd]
+    out = (o_ctx.reshape(R, nKV, A, G * B, hd) + o_blk) / total[..., None]
+    out = out.reshape(R, nKV, A, G, B, hd)
     out = out.transpose(0, 2, 4, 1, 3, 5).reshape(R, AB, nH * hd)  # head index kv*G + g, as the o_proj expects
     return attn.o_proj(out)
+
+
+def _mlp(mlp, x: mx.array) -> mx.array:
+    # The layer's own SwiGLU MLP (mlx-lm's), with the SiLU from fastmath.
+    return mlp.down_proj(fastmath.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
 def block_hidden(drafter: DFlashDrafter, embed: Callable[[mx.array], mx.array], features: mx.array,
@@ -93,5 +104,5 @@ def block_hidden(drafter: DFlashDrafter, embed: Callable[[mx.array], mx.array], 
             masks[key] = (context_mask(anchors, S, B, attn.sliding_window), slots)
         ctx_k, ctx_v = _context_kv(attn, ctx)
         h = x + _block_attention(attn, layer.input_layernorm(x), ctx_k, ctx_v, anchors, *masks[key])
-        x = h + layer.mlp(layer.post_attention_layernorm(h))
+        x = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
     return drafter.norm(x.reshape(R, A, B, -1)[:, :, 1:])

@@ -11,24 +11,13 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-
-@mx.custom_function
-def _lse_softmax(x: mx.array):
-    m = mx.stop_gradient(x.max(axis=-1, keepdims=True))
-    e = mx.exp(x - m)
-    total = e.sum(axis=-1, keepdims=True)
-    return (m + mx.log(total))[..., 0], e / total
-
-
-@_lse_softmax.vjp
-def _lse_softmax_vjp(primals, cotangents, outputs):
-    return (cotangents[0][..., None] * outputs[1],)  # d lse / dx = softmax(x); the softmax output is not trained
+from . import fastmath
 
 
 def logsumexp(x: mx.array) -> mx.array:
     """logsumexp over the last axis whose gradient reuses the forward's softmax: one exp per logit instead of two
-    (exp dominates the loss on CPU, where it is not vectorized)."""
-    return _lse_softmax(x)[0]
+    (exp dominates the loss on CPU; see fastmath.py)."""
+    return fastmath.lse_softmax(x)[0]
 
 
 def default_gamma(block_size: int) -> float:

@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..drafter import DFlashDrafter
 from ..errors import DFlashError
+from .device import keep_freed_memory
 from .features import FeatureCache
 from .forward import block_hidden
 from .loss import block_loss, default_gamma, slot_weights
@@ -128,6 +129,8 @@ class Trainer:
             raise RuntimeError("bind the drafter to its target before training")
         if cache.seq_len < drafter.block_size + 2:
             raise DFlashError(f"--seq-len {cache.seq_len} is too short for block size {drafter.block_size}")
+        if mx.default_device().type == mx.cpu:
+            keep_freed_memory()
         self.drafter = drafter
         self.cache = cache
         self.config = config
