@@ -68,6 +68,9 @@ class WidthPolicy:
         window: cycle times per width whose median is its cost.
         plain_guess: c(1) / c(cheapest measured width) assumed until plain decoding is measured.
         probe_budget: fraction of decoding time that probes may cost beyond the chosen width's cycles.
+        probe_gap: fewest cycles between two probes paid from the budget. Where drafting is nearly free (a
+            memory-bound CPU verifies 2-4 tokens for the price of one) a probe looks cheap, yet each one still
+            loses its extra cost; spacing them bounds that loss whatever the estimates say.
         expire: cycles after which a width's cost measurement is dropped.
         cost: a fixed cost per width used instead of the measured seconds (e.g. `nominal_cost`): the choices then
             depend on acceptance alone, so a seeded sampling run reproduces whatever the machine's speed.
@@ -75,7 +78,7 @@ class WidthPolicy:
 
     def __init__(self, max_width: int, *, first_width: Optional[int] = None, decay: float = 0.98, prior: float = 0.5,
                  prior_weight: float = 0.5, window: int = 5, plain_guess: float = 0.6,
-                 probe_budget: float = 0.03, expire: int = 512, cost: Optional[Callable[[int], float]] = None):
+                 probe_budget: float = 0.03, probe_gap: int = 8, expire: int = 512, cost: Optional[Callable[[int], float]] = None):
         if max_width < 1:
             raise ValueError(f"max_width must be >= 1, got {max_width}")
         self.max_width = max_width
@@ -92,6 +95,8 @@ class WidthPolicy:
         self.savings = 0.0  # seconds saved up for probes
         self.probe: Optional[int] = None  # width of the probe in flight
         self.funded = False  # the last probe had drafts accepted: probe again now
+        self.probe_gap = probe_gap
+        self.last_probe = -probe_gap  # cycle index of the last budget-paid probe
 
     # -- estimates -----------------------------------------------------------------------------------------------
     def acceptance(self) -> List[float]:
@@ -156,10 +161,13 @@ class WidthPolicy:
         if up > width and self.funded:
             self.probe, self.funded = up, False
             return up
-        for probe in (up, self._close_narrower(width)):
+        # Upward probes are spaced by `probe_gap`; re-measuring a close narrower width is not (it is the way back
+        # to a cheaper choice whose cost was measured in a slow moment).
+        spaced = self.cycles - self.last_probe >= self.probe_gap
+        for probe in (up if spaced else None, self._close_narrower(width)):
             if probe is not None and probe != width and self.savings >= self.probe_cost(probe, width):
                 self.savings -= max(self.probe_cost(probe, width), 0.0)
-                self.probe = probe
+                self.probe, self.last_probe = probe, self.cycles
                 return probe
         return width
 

@@ -68,6 +68,21 @@ def test_a_cost_measured_in_a_busy_moment_does_not_stick():
     assert spent <= 0.05 * sum(cycle_seconds(w) for w in widths[50:])
 
 
+def test_nearly_free_drafting_does_not_buy_constant_probes():
+    # A memory-bound CPU: verifying 2-8 tokens costs about one decode step and drafting a few percent, so every
+    # probe looks cheap. A useless drafter must still cost at most a few percent over plain decoding.
+    def seconds(w):
+        return 1.0 if w == 1 else {2: 1.1, 4: 1.08, 8: 1.2}.get(w, 1.55)
+
+    rng = random.Random(0)
+    total = plain = 0.0
+    for _ in range(5):  # five 128-token generations, each with a fresh policy
+        widths = drive(WidthPolicy(B), useless, 127, lambda w: seconds(w) * rng.lognormvariate(0, 0.1))
+        total += sum(seconds(w) for w in widths)
+        plain += len(widths)
+    assert total <= 1.03 * plain, total / plain
+
+
 def test_oracle_drafter_stays_wide():
     policy = WidthPolicy(B)
     widths = drive(policy, oracle, 60)
