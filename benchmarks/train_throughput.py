@@ -27,6 +27,7 @@ src, spec = sys.argv[1], json.loads(sys.argv[2])
 sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 sys.path.insert(0, src)
 import dflash_mlx
+dflash_mlx.__path__.append(src)  # the repo's top-level metal/ and convert/ are dflash_mlx subpackages
 from dflash_mlx.train.command import TrainArgs, _setup
 args = TrainArgs(out=tempfile.mkdtemp(), progress=False, **spec)
 _, _, _, _, trainer, _, _ = _setup(args, False, lambda *a: None)
