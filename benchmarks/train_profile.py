@@ -16,20 +16,11 @@ import sys
 import tempfile
 import time
 
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+from train_throughput import _spec, split_argv  # the same "-- trainer flags" convention (run from benchmarks/)
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = split_argv(sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True)
@@ -37,7 +28,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed runs per piece (the fastest counts)")
     p.add_argument("--builtin-math", action="store_true")
     a = p.parse_args(argv)
-    spec = {k.lstrip("-").replace("-", "_"): _value(v) for k, v in zip(extra[::2], extra[1::2])}
+    spec = _spec(extra)
 
     import dflash_mlx  # noqa: F401  (first: it picks the BLAS before mlx loads)
     import mlx.core as mx

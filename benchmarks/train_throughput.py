@@ -61,10 +61,15 @@ def _spec(pairs):
     return spec
 
 
+def split_argv(argv):
+    """(this script's arguments, the trainer flags after `--`)."""
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
 def main() -> None:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = split_argv(sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline-src", required=True)
     p.add_argument("--target", required=True)
