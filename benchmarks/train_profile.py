@@ -107,9 +107,9 @@ def main() -> None:
 
     total = trainer.flops_per_micro
     weight = mx.array(float(slots))
-    timed("whole compiled micro-batch (forward + backward)", lambda: trainer._micros[0](batch, weight)[2], total,
+    timed("whole compiled micro-batch (forward + backward)", lambda: trainer._micro(batch, weight)[2], total,
           compile=False)
-    grads = trainer._micros[0](batch, weight)[2]
+    grads = trainer._micro(batch, weight)[2]
     mx.eval(grads)
     n_params = sum(v.size for _, v in tree_flatten(drafter.trainable_parameters()))
     timed("optimizer (clip + AdamW, once per step)", lambda: trainer._apply(grads, weight), 0, compile=False)

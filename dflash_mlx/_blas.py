@@ -129,19 +129,3 @@ def load_openblas() -> Optional[str]:
         print(f"dflash-mlx: BLAS {status}", file=sys.stderr)
     return loaded
 
-
-
-def threaded() -> bool:
-    """Does the loaded BLAS spread one matmul over several threads? (False for MLX's bundled BLAS.)"""
-    if loaded is None:
-        return False
-    try:
-        lib = ctypes.CDLL(loaded)
-    except OSError:
-        return False
-    for name in ("openblas_get_num_threads", "MKL_Get_Max_Threads"):
-        getter = getattr(lib, name, None)
-        if getter is not None:
-            getter.restype = ctypes.c_int
-            return getter() > 1
-    return False

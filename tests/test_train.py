@@ -205,44 +205,6 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, tiny_cache):
     assert second.predicted == full.predicted
 
 
-def _trainer_streams(cache, streams, **overrides):
-    drafter, _ = make_drafter(target("qwen3"), block_size=4, seed=1)
-    config = TrainConfig(**dict(dict(steps=4, lr=3e-3, anchors=8, rows_per_step=1, batch_blocks=32, warmup=1),
-                                **overrides))
-    return Trainer(drafter, cache, config, streams=streams)
-
-
-@pytest.mark.parametrize("compile", [True, False])
-def test_micro_batches_on_several_streams_give_the_same_weights(tiny_cache, compile):
-    # 4 micro-batches per step spread over 1, 2 or 3 streams (each a thread of its own on the CPU): gradients are
-    # summed in micro-batch order, so the weights are bit-equal whatever the number of streams.
-    runs = [_trainer_streams(tiny_cache, n, compile=compile) for n in (1, 2, 3)]
-    assert [len(r.streams) for r in runs] == [1, 2, 3] and runs[0].config.accum == 4
-    for r in runs:
-        for _ in range(3):
-            r.train_step()
-    ref = tree_flatten(runs[0].drafter.parameters())
-    for other in runs[1:]:
-        for (k, a), (_, b) in zip(ref, tree_flatten(other.drafter.parameters())):
-            assert mx.array_equal(a, b).item(), (len(other.streams), k)
-    untrained = tree_flatten(_trainer_streams(tiny_cache, 1).drafter.trainable_parameters())
-    trained = dict(tree_flatten(runs[0].drafter.trainable_parameters()))
-    assert any(not mx.array_equal(trained[k], v).item() for k, v in untrained)  # the steps did train
-    assert runs[1].predicted == runs[0].predicted > 0
-
-
-def test_training_streams_follow_the_device_and_the_blas():
-    from dflash_mlx.train.device import MAX_CPU_STREAMS, DeviceChoice, training_streams
-
-    cpu = DeviceChoice(mx.cpu, "cpu", "x", None)
-    gpu = DeviceChoice(mx.gpu, "cuda", "H100", 80 << 30)
-    assert training_streams(cpu, blas_threaded=False, cores=2) == 2
-    assert training_streams(cpu, blas_threaded=False, cores=64) == MAX_CPU_STREAMS
-    assert training_streams(cpu, blas_threaded=True, cores=16) == 1  # the BLAS already uses the cores
-    assert training_streams(gpu, blas_threaded=False, cores=16) == 1
-    assert training_streams(gpu, requested=3) == 3
-
-
 # -- reduced vocabulary ----------------------------------------------------------------------------------------------
 def test_select_vocab_and_maps():
     tokens = np.array([[5, 5, 5, 9, 9, 3, 1, 1, 1, 1]])
@@ -265,7 +227,7 @@ def test_reduced_vocab_drafter_round_trips_and_drafts_target_ids(tmp_path, tiny_
     trainer = Trainer(drafter, tiny_cache, TrainConfig(steps=3, anchors=8, lr=1e-3))
     assert trainer.t2d[ids].tolist() == list(range(32))
     # The reduced head is frozen: the step differentiates only the trained parameters (no head weight gradient).
-    grads = trainer._micros[0](trainer.batch(0), mx.array(1.0))[2]
+    grads = trainer._micro(trainer.batch(0), mx.array(1.0))[2]
     names = [k for k, _ in tree_flatten(grads)]
     assert names == [k for k, _ in tree_flatten(drafter.trainable_parameters())]
     assert not any("lm_head" in k or "d2t" in k for k in names)

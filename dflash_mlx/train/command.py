@@ -67,7 +67,6 @@ class TrainArgs:
     seed: int = 0
     dtype: str = "fp32"
     compile: bool = True
-    streams: int = 0  # micro-batches computed side by side (0: one per core on the CPU, 1 on a GPU)
     max_minutes: Optional[float] = None  # stop (checkpointed, resumable) after this much training time
     progress: bool = True
 
@@ -243,7 +242,7 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
     from ..config import DFlashConfig
     from ..drafter_io import build_drafter
     from ..target import TargetModel
-    from .device import features_on_device, pick_device, training_streams
+    from .device import features_on_device, pick_device
     from .trainer import Trainer, latest_checkpoint
     from .vocab import head_rows, maps, select_vocab
 
@@ -292,11 +291,8 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
     resident = features_on_device(nbytes, choice)
     log(f"device: {choice.describe()}; feature cache {nbytes / 2 ** 30:.2f} GiB "
         f"{'kept on the device' if resident else 'memory-mapped on the host'}")
-    streams = training_streams(choice, args.streams)
-    trainer = Trainer(drafter, cache, args.train_config(), device_features=resident, streams=streams)
+    trainer = Trainer(drafter, cache, args.train_config(), device_features=resident)
     trainer.device = choice.describe()
-    if len(trainer.streams) > 1:
-        log(f"streams: {len(trainer.streams)} micro-batches computed side by side")
     if checkpoint is not None:
         trainer.load(checkpoint)
     return args, tokenizer, target, drafter, trainer, cache, extraction
@@ -438,9 +434,6 @@ def train_command(
     seed: int = typer.Option(0, "--seed", help="Seed for data order, anchors and initialization."),
     dtype: str = typer.Option("fp32", "--dtype", help="Saved drafter dtype: fp32, bf16, fp16."),
     compile: bool = typer.Option(True, "--compile/--no-compile", help="Compile the training step."),
-    streams: int = typer.Option(0, "--streams", min=0, help="Micro-batches computed side by side, one stream "
-                                "each (0: one per core on the CPU with a single-threaded BLAS, else 1). Results "
-                                "do not depend on it."),
     max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop after this much "
                                                               "training (checkpointed; continue with --resume)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out (its saved "
@@ -454,6 +447,5 @@ def train_command(
                      rows=rows, batch_blocks=batch_blocks, labels=labels, seq_len=seq_len, gamma=gamma, kl=kl, kl_topk=kl_topk, draft_vocab=draft_vocab,
                      mask_token_id=mask_token_id, max_data_tokens=max_data_tokens, regenerate=regenerate,
                      gen_batch=gen_batch, eval_prompts=eval_prompts, eval_every=eval_every, eval_tokens=eval_tokens,
-                     checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, compile=compile,
-                     streams=streams)
+                     checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, compile=compile)
     run(args, resume=resume, steps=steps, max_minutes=max_minutes)

@@ -10,7 +10,6 @@ per batch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -18,8 +17,6 @@ import mlx.core as mx
 
 # Leave room for the drafter, its optimizer state, activations and the frozen target's embedding and head.
 FEATURE_SHARE = 0.4
-# Streams training uses at most on the CPU backend (one micro-batch in flight per stream).
-MAX_CPU_STREAMS = 4
 
 
 @dataclass(frozen=True)
@@ -96,34 +93,3 @@ def keep_freed_memory() -> bool:
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1  # blocks up to 1 GiB come from (and return to) the heap
     return bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 and ok)  # keep up to 1 GiB free at its top
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def training_streams(choice: DeviceChoice, requested: int = 0, blas_threaded: Optional[bool] = None,
-                     cores: Optional[int] = None) -> int:
-    """How many streams run micro-batches side by side (`requested` > 0 wins; 0 picks).
-
-    A GPU runs one stream: its kernels already fill the device. On the CPU each MLX stream has a thread of its own,
-    and the BLAS that dflash-mlx loads from pip is single-threaded, so one stream keeps one core busy: use one
-    stream per core (up to MAX_CPU_STREAMS; each holds a micro-batch's activations). A multi-threaded BLAS (Debian's
-    OpenBLAS) already spreads each matmul over the cores; more streams would only oversubscribe them. Concurrent
-    calls are safe with both: the pip wheel's OpenBLAS takes a mutex around its buffer allocation (a build with
-    locking) and Debian's is a threaded build.
-    """
-    if requested > 0:
-        return requested
-    if choice.backend != "cpu":
-        return 1
-    if blas_threaded is None:
-        from .. import _blas
-
-        blas_threaded = _blas.threaded()
-    if blas_threaded:
-        return 1
-    return max(1, min(cores or usable_cores(), MAX_CPU_STREAMS))

@@ -124,7 +124,7 @@ class Trainer:
     """
 
     def __init__(self, drafter: DFlashDrafter, cache: FeatureCache, config: TrainConfig,
-                 device_features: bool = False, streams: int = 1):
+                 device_features: bool = False):
         if drafter.binding is None:
             raise RuntimeError("bind the drafter to its target before training")
         if cache.seq_len < drafter.block_size + 2:
@@ -157,11 +157,6 @@ class Trainer:
         if config.kl > 0 and self._teacher is None:
             raise DFlashError("--kl needs the target's top-k in the feature cache; rebuild it with --kl-topk > 0")
         self._vocab_changed()
-        # Micro-batch i runs on stream i % streams: on the CPU each MLX stream has a thread of its own, so with a
-        # single-threaded BLAS two streams keep two cores busy. Gradients are still summed in micro-batch order,
-        # so the result does not depend on the number of streams.
-        self.streams = [mx.default_stream(mx.default_device())]
-        self.streams += [mx.new_stream(mx.default_device()) for _ in range(max(1, min(streams, config.accum)) - 1)]
         self._build_steps()
         self.flops_per_micro = step_flops(drafter, config.rows_per_step, config.anchors, cache.seq_len)
         self.step = 0
@@ -251,11 +246,9 @@ class Trainer:
 
         loss_and_grad = nn.value_and_grad(self.drafter, loss_sum)
 
-        def make_micro():
-            def micro(batch, total):
-                (_, (loss, stats)), grads = loss_and_grad(batch, total)
-                return loss, stats, grads
-            return micro
+        def micro(batch, total):
+            (_, (loss, stats)), grads = loss_and_grad(batch, total)
+            return loss, stats, grads
 
         def apply(grads, total):
             grads = tree_map(lambda g: g / mx.maximum(total, 1e-6), grads)
@@ -266,13 +259,11 @@ class Trainer:
             self.optimizer.update(self.drafter, grads)
             return norm
 
-        # One micro-step function per stream: a compiled graph keeps the stream it was traced on.
-        micros = [make_micro() for _ in self.streams]
         if self.config.compile:
             state = [self.drafter.state, self.optimizer.state]
-            micros = [mx.compile(m, inputs=state, outputs=state) for m in micros]  # value_and_grad swaps params in
+            micro = mx.compile(micro, inputs=state, outputs=state)  # value_and_grad swaps parameters in
             apply = mx.compile(apply, inputs=state, outputs=state)
-        self._micros, self._apply = micros, apply
+        self._micro, self._apply = micro, apply
 
     def train_step(self) -> Dict[str, float]:
         """One optimizer step over `config.accum` micro-batches; returns its statistics."""
@@ -285,9 +276,7 @@ class Trainer:
         for i in range(accum):
             labels = np.asarray(batch["labels"])
             total = float((weights * (labels >= 0)).sum())  # the loss's normalizer, known on the host
-            k = i % len(self.streams)
-            with mx.stream(self.streams[k]):
-                loss, stats, g = self._micros[k](batch, mx.array(total, dtype=mx.float32))
+            loss, stats, g = self._micro(batch, mx.array(total, dtype=mx.float32))
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.async_eval(grads, loss, stats)
             R, S = batch["tokens"].shape
