@@ -7,8 +7,9 @@ see the same machine load. Prints predicted slots per second (wall clock) and pe
 
 Options after `--` are `TrainArgs` fields (`--anchors 32`), given to both sides; `--new NAME=VALUE` adds options
 for this tree only (e.g. `--new anchors=128`); `--env NAME=VALUE` sets an environment variable for both workers
-(e.g. `--env DFLASH_MLX_BLAS=debian`: a multi-threaded OpenBLAS on both sides). The cache directories must already
-hold complete feature caches.
+(e.g. `--env DFLASH_MLX_BLAS=debian`: a multi-threaded OpenBLAS on both sides). `--new workers=N` trains this tree
+data-parallel on N processes (as `dflash-mlx train --workers N`); its CPU-seconds are summed over them. The cache
+directories must already hold complete feature caches.
 """
 
 from __future__ import annotations
@@ -20,27 +21,42 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 WORKER = r'''
-import json, sys, time, tempfile
+import json, os, sys, time, tempfile
 src, spec = sys.argv[1], json.loads(sys.argv[2])
 sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 sys.path.insert(0, src)
 import dflash_mlx
 dflash_mlx.__path__.append(src)  # the repo's top-level metal/ and convert/ are dflash_mlx subpackages
+import mlx.core as mx
 from dflash_mlx.train.command import TrainArgs, _setup
+spec.pop("workers", None)
+group = None
+if "MLX_RANK" in os.environ:  # one rank of a data-parallel side (this tree only)
+    from dflash_mlx.distributed.group import setup
+    from dflash_mlx.train.parallel import DataParallel, single_threaded_blas
+    single_threaded_blas()
+    group = setup()
 args = TrainArgs(out=tempfile.mkdtemp(), progress=False, **spec)
 _, _, _, _, trainer, _, _ = _setup(args, False, lambda *a: None)
+if group is not None:
+    trainer.join(DataParallel(group))
+rank0 = group is None or group.rank() == 0
+total = lambda x: x if group is None else mx.distributed.all_sum(mx.array(x, dtype=mx.float32), group=group, stream=mx.cpu).item()
 print(json.dumps({"ready": dflash_mlx.__file__, "blas": getattr(sys.modules.get("dflash_mlx._blas"), "status", "n/a")}), flush=True)
-for line in sys.stdin:
-    budget = float(line)
+while True:
+    budget = float(sys.stdin.readline() or -1)  # every rank reads it: ranks waiting in a collective spin a core
+    if budget < 0:
+        break
     slots0, wall0, cpu0, t0 = trainer.predicted, time.perf_counter(), time.process_time(), time.perf_counter()
     steps = 0
-    while steps == 0 or time.perf_counter() - t0 < budget:
+    while steps == 0 or total(float(time.perf_counter() - t0 < budget) if rank0 else 0.0) > 0:
         trainer.train_step()
         steps += 1
     print(json.dumps({"slots": trainer.predicted - slots0, "wall": time.perf_counter() - wall0,
-                      "cpu": time.process_time() - cpu0, "steps": steps}), flush=True)
+                      "cpu": total(time.process_time() - cpu0), "steps": steps}), flush=True)
 '''
 
 
@@ -88,23 +104,36 @@ def main() -> None:
         "after": (here, dict(common, cache=a.cache, **{k: _value(v) for k, v in (x.split("=", 1) for x in a.new)})),
     }
     env = dict(os.environ, **dict(x.split("=", 1) for x in a.env))
-    procs = {}
+    procs, helpers = {}, []
     for name, (src, spec) in sides.items():
-        procs[name] = subprocess.Popen([sys.executable, "-c", WORKER, src, json.dumps(spec)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True, env=env)
+        argv = [sys.executable, "-c", WORKER, src, json.dumps(spec)]
+        rank_env = env
+        if int(spec.get("workers", 1)) > 1:  # ranks 1..N-1 in the background, rank 0 talks to this script
+            from dflash_mlx.distributed.local import write_hostfile
+
+            hostfile = write_hostfile(Path(tempfile.mkdtemp()) / "hosts.json", int(spec["workers"]))
+            rank_env = dict(env, MLX_HOSTFILE=str(hostfile), OPENBLAS_NUM_THREADS="1")
+            helpers += [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                         env=dict(rank_env, MLX_RANK=str(r))) for r in range(1, int(spec["workers"]))]
+            rank_env = dict(rank_env, MLX_RANK="0")
+        procs[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=rank_env)
         ready = json.loads(procs[name].stdout.readline())
         print(f"{name}: {ready['ready']} {spec}; BLAS {ready['blas']}", flush=True)
     totals = {name: {"slots": 0, "wall": 0.0, "cpu": 0.0} for name in sides}
     for r in range(a.rounds):
         for name in (sides if r % 2 == 0 else reversed(list(sides))):
-            procs[name].stdin.write(f"{a.seconds}\n")
-            procs[name].stdin.flush()
+            for proc in [procs[name]] + (helpers if name == "after" else []):
+                proc.stdin.write(f"{a.seconds}\n")
+                proc.stdin.flush()
             res = json.loads(procs[name].stdout.readline())
             for k in totals[name]:
                 totals[name][k] += res[k]
             print(f"round {r + 1} {name:6s}: {res['slots']} slots in {res['wall']:.1f} s wall, {res['cpu']:.1f} "
                   f"CPU-s ({res['slots'] / res['wall']:.0f} slots/s; load {os.getloadavg()[0]:.1f})", flush=True)
     for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
+    for proc in helpers:
         proc.stdin.close()
         proc.wait()
     rate = {n: t["slots"] / t["wall"] for n, t in totals.items()}

@@ -66,11 +66,12 @@ def run_local(argv: Sequence[str], ranks: int = 2, timeout: float = 60.0, env: O
 class LocalRanks:
     """Ranks started now and collected later (`wait`), for a test that talks to them meanwhile (e.g. over HTTP).
 
-    `procs[r]` is rank r's process; leaving the `with` block kills any rank still running.
+    `procs[r]` is rank r's process; leaving the `with` block kills any rank still running. Ranks in `inherit` write
+    to this process's stdout and stderr instead of files (their captured output reads empty).
     """
 
     def __init__(self, argv: Sequence[str], ranks: int = 2, env: Optional[Dict[str, str]] = None,
-                 cwd: Optional[str] = None, hostfile: Optional[Path] = None):
+                 cwd: Optional[str] = None, hostfile: Optional[Path] = None, inherit: Sequence[int] = ()):
         self._tmp = tempfile.TemporaryDirectory(prefix="dflash-ranks-")
         tmp_path = Path(self._tmp.name)
         hostfile = hostfile or write_hostfile(tmp_path / "hosts.json", ranks)
@@ -79,8 +80,8 @@ class LocalRanks:
         for rank in range(ranks):
             out, err = open(tmp_path / f"{rank}.out", "w+"), open(tmp_path / f"{rank}.err", "w+")
             rank_env = dict(os.environ, **(env or {}), MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
-            self.procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, env=rank_env, cwd=cwd,
-                                               start_new_session=True))
+            stdio = dict(stdout=None, stderr=None) if rank in inherit else dict(stdout=out, stderr=err)
+            self.procs.append(subprocess.Popen(list(argv), env=rank_env, cwd=cwd, start_new_session=True, **stdio))
             self._outs.append((out, err))
 
     def wait(self, timeout: float) -> List[RankResult]:

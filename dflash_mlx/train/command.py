@@ -293,18 +293,58 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
         f"{'kept on the device' if resident else 'memory-mapped on the host'}")
     trainer = Trainer(drafter, cache, args.train_config(), device_features=resident)
     trainer.device = choice.describe()
+    trainer.backend = choice.backend
     if checkpoint is not None:
         trainer.load(checkpoint)
     return args, tokenizer, target, drafter, trainer, cache, extraction
 
 
 def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int] = None,
-        max_minutes: Optional[float] = None) -> Path:
+        max_minutes: Optional[float] = None, workers: Optional[int] = None, announce: bool = True) -> Path:
     """Train a drafter as `args` says; returns the output directory (a loadable drafter).
 
     With `resume`, the run's saved options apply; `steps` and `max_minutes` (if given) replace the saved ones, so a
-    bounded run can be continued and extended session after session.
+    bounded run can be continued and extended session after session. With `workers` > 1 (None: one per CPU core
+    when training on the CPU, see `parallel.default_workers`) this process prepares the data and the feature cache,
+    then starts that many ranks on this machine to train data-parallel and waits for them. Under `mlx.launch` every
+    rank runs this; rank 0 prepares first, evaluates and writes. `announce=False` keeps the setup lines quiet.
     """
+    from mlx.utils import tree_flatten
+
+    from ..distributed.group import launched, rank0_first, setup
+    from .parallel import LocalWorkers, default_workers
+
+    overrides = dict(steps=steps, max_minutes=max_minutes)
+    if not resume:
+        args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if v is not None})
+    quiet = log if announce else (lambda *a: None)
+    if launched():
+        if workers is not None and workers > 1:
+            raise DFlashError("--workers starts ranks on this machine; under mlx.launch leave it out (every "
+                              "launched rank trains)")
+        group = setup()
+        with rank0_first(group):  # rank 0 reads the data and builds the feature cache before the others open it
+            state = _setup(args, resume, quiet, overrides)
+        return _train(state, log, group)
+    state = _setup(args, resume, quiet, overrides)
+    trainer = state[4]
+    if workers is None:
+        model_bytes = sum(v.nbytes for _, v in tree_flatten(state[2].model.parameters()))
+        workers = min(default_workers(trainer.backend, model_bytes), trainer.config.accum)
+    if workers <= 1:
+        return _train(state, log, None)
+    if workers > trainer.config.accum:
+        raise DFlashError(f"--workers {workers} but only {trainer.config.accum} micro-batch(es) per step: raise "
+                          f"--batch-blocks to at least {workers * trainer.config.micro_blocks} or use fewer workers")
+    out = Path(state[0].out)
+    del state, trainer  # the ranks load their own copies
+    LocalWorkers(workers, dict(args=dataclasses.asdict(args), resume=resume, steps=steps,
+                               max_minutes=max_minutes)).run()
+    return out
+
+
+def _train(state, log, group) -> Path:
+    """The training loop, evaluations, checkpoints and the written drafter (rank 0 of a group writes)."""
     import time
 
     import mlx.core as mx
@@ -313,13 +353,16 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
 
     from ..drafter_io import build_drafter, save_drafter
     from .card import projection_text, write_card
+    from .parallel import DataParallel
     from .trainer import held_out_tau
 
-    overrides = dict(steps=steps, max_minutes=max_minutes)
-    if not resume:
-        args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if v is not None})
-    args, tokenizer, target, drafter, trainer, cache, extraction = _setup(args, resume, log, overrides)
+    args, tokenizer, target, drafter, trainer, cache, extraction = state
     out = Path(args.out)
+    if group is not None and group.size() > 1:
+        trainer.join(DataParallel(group))
+        trainer.device += f" x {group.size()} data-parallel ranks"
+    leader = group is None or group.rank() == 0
+    ranks = 1 if group is None else group.size()
     stops = list(getattr(tokenizer, "eos_token_ids", None) or [])
 
     def evaluate():
@@ -334,22 +377,30 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
         trainer.save(out, {"args": dataclasses.asdict(args), "command": args.command_line()})
 
     tau = trainer.history[-1]["tau"] if trainer.history else None
-    if trainer.step == 0 and not trainer.history:
+    if trainer.step == 0 and not trainer.history and leader:
         tau = evaluate()
         log(f"held-out τ before training: {tau}")
     cfg = trainer.config
+    shared = f", shared by {ranks} data-parallel ranks" if ranks > 1 else ""
     log(f"training: {cfg.accum} micro-batch(es) of {cfg.rows_per_step} row(s) x {cfg.anchors} anchors = "
-        f"{cfg.accum * cfg.micro_blocks} blocks per step, {trainer.flops_per_micro * cfg.accum / 1e12:.2f} TFLOP "
-        f"per step, labels from the {cfg.labels}")
-    bar = tqdm(total=args.steps, initial=trainer.step, desc="training", unit="step", disable=not args.progress)
+        f"{cfg.accum * cfg.micro_blocks} blocks per step{shared}, {trainer.flops_per_micro * cfg.accum / 1e12:.2f} "
+        f"TFLOP per step, labels from the {cfg.labels}")
+    bar = tqdm(total=args.steps, initial=trainer.step, desc="training", unit="step",
+               disable=not (args.progress and leader))
     loss_ema = None
     started, slots0, elapsed0 = time.perf_counter(), trainer.predicted, trainer.elapsed
     while trainer.step < args.steps:
-        if args.max_minutes is not None and time.perf_counter() - started > 60 * args.max_minutes:
-            log(f"--max-minutes {args.max_minutes} reached at step {trainer.step}; continue with --resume")
-            break
+        if args.max_minutes is not None:
+            stop = time.perf_counter() - started > 60 * args.max_minutes
+            if trainer.parallel is not None:
+                stop = trainer.parallel.agree(stop)  # rank 0's clock decides for every rank
+            if stop:
+                log(f"--max-minutes {args.max_minutes} reached at step {trainer.step}; continue with --resume")
+                break
         m = trainer.train_step()
         loss_ema = m["loss"] if loss_ema is None else 0.95 * loss_ema + 0.05 * m["loss"]
+        if not leader:
+            continue
         if args.eval_every and trainer.step % args.eval_every == 0:
             tau = evaluate()
         if args.checkpoint_every and trainer.step % args.checkpoint_every == 0:
@@ -360,6 +411,8 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
                             f"{rate:.0f} slots/s", refresh=False)
         bar.update(1)
     bar.close()
+    if not leader:
+        return out
     if trainer.history and trainer.history[-1]["step"] == trainer.step:
         tau = trainer.history[-1]["tau"]
     else:
@@ -372,7 +425,7 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
     write_card(out, args, drafter.config, trainer, cache, extraction)
     rate = (trainer.predicted - slots0) / max(trainer.elapsed - elapsed0, 1e-9)
     log(f"{trainer.step} steps, {trainer.predicted} slots in {trainer.elapsed:.0f} s ({rate:.0f} slots/s this "
-        f"session); held-out τ {tau}; wrote {out}")
+        f"session{f' on {ranks} ranks' if ranks > 1 else ''}); held-out τ {tau}; wrote {out}")
     log(projection_text(trainer.history))
     return out
 
@@ -438,6 +491,9 @@ def train_command(
                                                               "training (checkpointed; continue with --resume)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out (its saved "
                                               "options apply)."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Training processes on this machine, "
+                                          "each computing a share of every step (data parallel). Default: one per "
+                                          "CPU core when training on the CPU (as memory allows), 1 on a GPU."),
 ):
     """Train a DFlash drafter for a target: cache its features once, then train (resumable)."""
     dtype_name(dtype)  # a bad --dtype fails before anything loads
@@ -448,4 +504,4 @@ def train_command(
                      mask_token_id=mask_token_id, max_data_tokens=max_data_tokens, regenerate=regenerate,
                      gen_batch=gen_batch, eval_prompts=eval_prompts, eval_every=eval_every, eval_tokens=eval_tokens,
                      checkpoint_every=checkpoint_every, seed=seed, dtype=dtype, compile=compile)
-    run(args, resume=resume, steps=steps, max_minutes=max_minutes)
+    run(args, resume=resume, steps=steps, max_minutes=max_minutes, workers=workers)

@@ -159,6 +159,7 @@ class Trainer:
         self._vocab_changed()
         self._build_steps()
         self.flops_per_micro = step_flops(drafter, config.rows_per_step, config.anchors, cache.seq_len)
+        self.parallel = None  # a parallel.DataParallel once `join`ed
         self.step = 0
         self.elapsed = 0.0
         self.context_tokens = 0  # row tokens read
@@ -166,6 +167,7 @@ class Trainer:
         self.flops = 0.0  # training FLOPs spent (step_flops per micro-batch)
         self.history: List[Dict] = []  # held-out τ evaluations: step, slots, flops, tau, passes
         self.device = str(mx.default_device())
+        self.backend = "cpu" if mx.default_device().type == mx.cpu else "gpu"
 
     def _vocab_changed(self) -> None:
         if "lm_head" in self.drafter:
@@ -265,39 +267,61 @@ class Trainer:
             apply = mx.compile(apply, inputs=state, outputs=state)
         self._micro, self._apply = micro, apply
 
+    def join(self, parallel) -> None:
+        """Train data-parallel with the other ranks of `parallel` (a `parallel.DataParallel`): every rank takes
+        rank 0's weights and optimizer state now and computes its share of each step's micro-batches."""
+        from .parallel import sync_state
+
+        if parallel.size > self.config.accum:
+            raise DFlashError(f"{parallel.size} ranks but only {self.config.accum} micro-batch(es) per step: raise "
+                              f"--batch-blocks to at least {parallel.size * self.config.micro_blocks} or use fewer ranks")
+        sync_state(self, parallel)
+        self._build_steps()  # the compiled step holds the state objects it was built with
+        self.parallel = parallel
+
     def train_step(self) -> Dict[str, float]:
-        """One optimizer step over `config.accum` micro-batches; returns its statistics."""
+        """One optimizer step over `config.accum` micro-batches (this rank's share of them when data-parallel);
+        returns its statistics."""
         tic = time.perf_counter()
         accum = self.config.accum
+        mine = self.parallel.share(accum) if self.parallel is not None else range(accum)
         grads = None
         totals, losses, stats_list = [], [], []
-        batch = self.batch(self.step, 0)
         weights = slot_weights(self.block_size, self.gamma)
-        for i in range(accum):
+        context = predicted = 0
+        batch = self.batch(self.step, mine[0])
+        for n, i in enumerate(mine):
             labels = np.asarray(batch["labels"])
             total = float((weights * (labels >= 0)).sum())  # the loss's normalizer, known on the host
             loss, stats, g = self._micro(batch, mx.array(total, dtype=mx.float32))
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.async_eval(grads, loss, stats)
             R, S = batch["tokens"].shape
-            self.context_tokens += R * S
-            self.predicted += int((labels >= 0).sum())
-            if i + 1 < accum:  # build the next micro-batch on the host while the device computes this one
-                batch = self.batch(self.step, i + 1)
+            context += R * S
+            predicted += int((labels >= 0).sum())
+            if n + 1 < len(mine):  # build the next micro-batch on the host while the device computes this one
+                batch = self.batch(self.step, mine[n + 1])
             totals.append(total)
             losses.append(loss)
             stats_list.append(stats)
-        norm = self._apply(grads, mx.array(sum(totals), dtype=mx.float32))
+        # Micro-batch statistics, weighted like the loss: sums here, divided by the summed weight below.
+        keys = sorted(stats_list[0])
+        sums = [sum(totals), sum(l.item() * w for l, w in zip(losses, totals))]
+        sums += [sum(s[k].item() * w for s, w in zip(stats_list, totals)) for k in keys]
+        if self.parallel is not None:
+            grads = self.parallel.sum(grads)
+            sums = self.parallel.sum(mx.array(sums, dtype=mx.float32)).tolist()
+            context, predicted = self.parallel.sum(mx.array([context, predicted], dtype=mx.int32)).tolist()
+        norm = self._apply(grads, mx.array(sums[0], dtype=mx.float32))
         mx.eval(self.drafter.parameters(), self.optimizer.state, norm)
         self.step += 1
+        self.context_tokens += context
+        self.predicted += predicted
         self.flops += accum * self.flops_per_micro
         self.elapsed += time.perf_counter() - tic
-        # Micro-batch statistics, weighted like the loss.
-        w = totals
-        wsum = max(sum(w), 1e-6)
-        out = {k: sum(s[k].item() * wi for s, wi in zip(stats_list, w)) / wsum for k in stats_list[0]}
-        out.update(loss=sum(l.item() * wi for l, wi in zip(losses, w)) / wsum, grad_norm=norm.item(),
-                   lr=float(self.optimizer.learning_rate.item()))
+        wsum = max(sums[0], 1e-6)
+        out = {k: v / wsum for k, v in zip(keys, sums[2:])}
+        out.update(loss=sums[1] / wsum, grad_norm=norm.item(), lr=float(self.optimizer.learning_rate.item()))
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
