@@ -110,3 +110,20 @@ def test_default_workers():
     assert default_workers("cpu", 80 * gib, cores=8, memory=64 * gib) == 1
     assert default_workers("metal", gib, cores=8, memory=64 * gib) == 1
     assert default_workers("cuda", gib, cores=8, memory=None) == 1
+
+
+def test_train_under_a_launcher(tmp_path, pair_and_data):
+    """As `mlx.launch -n 2 -- dflash-mlx train ...` runs it: rank 0 builds the feature cache, rank 1 then opens it,
+    both train; only rank 0 prints and writes."""
+    target_dir, data = pair_and_data
+    out = tmp_path / "launched"
+    argv = [sys.executable, "-m", "dflash_mlx.cli", *_argv(target_dir, data, out)]
+    results = run_local(argv, ranks=2, timeout=LIMIT)
+    for r in results:
+        assert r.returncode == 0, (r.rank, r.stderr[-2000:])
+    assert "shared by 2 data-parallel ranks" in results[0].stdout and results[1].stdout == ""
+    assert json.loads((out / "train_state" / "latest.json").read_text())["step"] == 4
+    assert (out / "model.safetensors").is_file()
+    # --workers is for starting ranks here, not under a launcher: one line from rank 0.
+    results = run_local(argv + ["--resume", "--workers", "2"], ranks=2, timeout=LIMIT)
+    assert results[0].returncode == 2 and "under mlx.launch leave it out" in results[0].stderr
