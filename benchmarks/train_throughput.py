@@ -7,8 +7,8 @@ see the same machine load. Prints predicted slots per second (wall clock) and pe
 
 Options after `--` are `TrainArgs` fields (`--anchors 32`), given to both sides; `--new NAME=VALUE` adds options
 for this tree only (e.g. `--new anchors=128`); `--env NAME=VALUE` sets an environment variable for both workers
-(e.g. `--env DFLASH_MLX_BLAS=debian`: a multi-threaded OpenBLAS on both sides). `--new workers=N` trains this tree
-data-parallel on N processes (as `dflash-mlx train --workers N`); its CPU-seconds are summed over them. The cache
+(e.g. `--env DFLASH_MLX_BLAS=debian`: a multi-threaded OpenBLAS on both sides). `workers=N` (after `--`, or with `--new`)
+trains data-parallel on N processes (as `dflash-mlx train --workers N`); CPU-seconds are summed over them. The cache
 directories must already hold complete feature caches.
 """
 
@@ -104,7 +104,7 @@ def main() -> None:
         "after": (here, dict(common, cache=a.cache, **{k: _value(v) for k, v in (x.split("=", 1) for x in a.new)})),
     }
     env = dict(os.environ, **dict(x.split("=", 1) for x in a.env))
-    procs, helpers = {}, []
+    procs, helpers = {}, {name: [] for name in sides}
     for name, (src, spec) in sides.items():
         argv = [sys.executable, "-c", WORKER, src, json.dumps(spec)]
         rank_env = env
@@ -113,7 +113,7 @@ def main() -> None:
 
             hostfile = write_hostfile(Path(tempfile.mkdtemp()) / "hosts.json", int(spec["workers"]))
             rank_env = dict(env, MLX_HOSTFILE=str(hostfile), OPENBLAS_NUM_THREADS="1")
-            helpers += [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            helpers[name] += [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                          env=dict(rank_env, MLX_RANK=str(r))) for r in range(1, int(spec["workers"]))]
             rank_env = dict(rank_env, MLX_RANK="0")
         procs[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=rank_env)
@@ -122,7 +122,7 @@ def main() -> None:
     totals = {name: {"slots": 0, "wall": 0.0, "cpu": 0.0} for name in sides}
     for r in range(a.rounds):
         for name in (sides if r % 2 == 0 else reversed(list(sides))):
-            for proc in [procs[name]] + (helpers if name == "after" else []):
+            for proc in [procs[name]] + helpers[name]:
                 proc.stdin.write(f"{a.seconds}\n")
                 proc.stdin.flush()
             res = json.loads(procs[name].stdout.readline())
@@ -133,7 +133,7 @@ def main() -> None:
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
-    for proc in helpers:
+    for proc in (p for side in helpers.values() for p in side):
         proc.stdin.close()
         proc.wait()
     rate = {n: t["slots"] / t["wall"] for n, t in totals.items()}

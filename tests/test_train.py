@@ -14,6 +14,7 @@ from dflash_mlx.drafter_io import load_drafter, save_drafter
 from dflash_mlx.engine import dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.train import block_hidden, block_loss, block_mask, default_gamma, sample_anchors, slot_weights
+from dflash_mlx.train.masks import band_limits, sample_banded_anchors
 from dflash_mlx.train.data import PreparedData, chat_document, pack, record_messages
 from dflash_mlx.train.features import FeatureCache
 from dflash_mlx.train.trainer import TrainConfig, Trainer
@@ -54,6 +55,41 @@ def test_sample_anchors_respects_bounds_and_label_mask():
     assert len(sample_anchors(rng, np.ones(4, np.uint8), 3, 4)) == 0  # no block fits
 
 
+def test_banded_anchors_keep_each_candidates_chance_and_their_band():
+    rng = np.random.default_rng(0)
+    S, B, A, bands = 64, 4, 8, 4
+    limits = band_limits(S, bands)
+    counts = np.zeros(S)
+    for _ in range(4000):
+        a = sample_banded_anchors(rng, np.ones(S, np.uint8), A, B, bands)
+        assert len(a) == A and list(a) == sorted(a) and len(set(a.tolist())) == A
+        for c in range(bands):
+            assert (a[c * 2:(c + 1) * 2] <= limits[c]).all()
+        np.add.at(counts, a, 1)
+    # Every candidate (1..S-B) drawn with probability A / candidates per row, as by sample_anchors.
+    share = counts[1:S - B + 1] / 4000
+    assert np.abs(share - A / (S - B)).max() < 0.03 and counts[0] == 0 and counts[S - B + 1:].sum() == 0
+    late = np.zeros(S, np.uint8)
+    late[40:] = 1  # labels only late in the row: the first groups reach past their limits
+    assert sample_banded_anchors(rng, late, A, B, bands) is None
+    assert sample_banded_anchors(rng, np.ones(S, np.uint8), 6, B, bands) is None  # not divisible into 4 groups
+
+
+def test_trainer_uses_bands_when_every_row_allows_them(tiny_cache):
+    banded = _trainer(tiny_cache)
+    assert banded.bands == 4 and banded.batch(0)["bands"] == 4
+    plain = _trainer(tiny_cache, context_bands=1)
+    assert plain.bands == 1 and plain.batch(0)["bands"] == 1
+    # Same weights, same micro-batch: the loss with banded contexts equals the loss over whole contexts.
+    batch = banded.batch(3)
+    full = dict(batch, bands=1)
+    assert banded.loss(batch)[0].item() == pytest.approx(banded.loss(full)[0].item(), rel=1e-5)
+    late = np.asarray(tiny_cache.trainable).copy()
+    late[:, : SEQ // 2] = 0  # labels in the second half only: no row can be banded
+    tiny_cache.trainable = late
+    assert _trainer(tiny_cache).batch(0)["bands"] == 1
+
+
 # -- training forward == inference forward ---------------------------------------------------------------------------
 def _features(t, tokens):
     _, hidden = t(mx.array(tokens)[None])
@@ -67,8 +103,9 @@ def _inference_logits(drafter, hidden, tokens, anchor):
     return drafter(block, cache)[0]
 
 
+@pytest.mark.parametrize("bands", [1, 3])
 @pytest.mark.parametrize("variant", ["full", "sliding", "reduced_vocab"])
-def test_training_forward_equals_inference_forward(variant):
+def test_training_forward_equals_inference_forward(variant, bands):
     extra = {}
     if variant == "sliding":
         extra = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
@@ -80,8 +117,8 @@ def test_training_forward_equals_inference_forward(variant):
         drafter.d2t = mx.array(maps(ids, VOCAB)[0])
     tokens = [int(x) for x in np.random.default_rng(1).integers(0, VOCAB - 1, 30)]
     hidden = _features(t, tokens)
-    anchors = [1, 3, 9, 16, 26]
-    h = block_hidden(drafter, drafter.binding.embed, hidden, mx.array([tokens]), mx.array([anchors]), MASK)
+    anchors = [1, 10, 12, 20, 21, 26]  # in 3 bands of 2: at most 10, 20 and 30, two of them at the limit
+    h = block_hidden(drafter, drafter.binding.embed, hidden, mx.array([tokens]), mx.array([anchors]), MASK, bands)
     train_logits = drafter.to_target_vocab(drafter.draft_logits(h))[0]  # [A, B-1, V]
     for i, a in enumerate(anchors):
         ref = _inference_logits(drafter, hidden, tokens, a)

@@ -36,7 +36,7 @@ from .device import keep_freed_memory
 from .features import FeatureCache
 from .forward import block_hidden
 from .loss import block_loss, default_gamma, slot_weights
-from .masks import sample_anchors
+from .masks import anchor_candidates, sample_anchors, sample_banded_anchors
 
 STATE_DIR = "train_state"
 LABELS = ("data", "target")
@@ -55,6 +55,7 @@ class TrainConfig:
     batch_blocks: Optional[int] = None  # blocks per optimizer step (accumulated); None: one micro-batch
     gamma: Optional[float] = None  # default: default_gamma(block_size)
     kl: float = 0.0
+    context_bands: int = 4  # anchors drawn in this many position groups, each with a shorter context (masks.py)
     labels: str = "data"  # "data": the next tokens of the text; "target": the target's own argmax there
     compile: bool = True
     seed: int = 0
@@ -138,6 +139,8 @@ class Trainer:
         self.block_size = drafter.block_size
         self.mask_token_id = drafter.config.mask_token_id
         self.gamma = config.gamma if config.gamma is not None else default_gamma(self.block_size)
+        bands = max(1, config.context_bands)
+        self.bands = bands if config.anchors % bands == 0 and cache.seq_len // bands > self.block_size else 1
         self.weights = mx.array(slot_weights(self.block_size, self.gamma))
         if "lm_head" in drafter:  # the reduced head keeps the target's rows; the id map is not a parameter
             drafter.freeze(keys=["lm_head", "d2t"], strict=False)
@@ -181,17 +184,23 @@ class Trainer:
         """Micro-batch `micro` of training step `step` (a pure function of the seed, the step and `micro`)."""
         cfg, B = self.config, self.block_size
         rng = np.random.default_rng([cfg.seed, step, micro])
-        rows, anchors = [], []
+        rows, trainables = [], []
         for _ in range(100 * cfg.rows_per_step):
             row = int(rng.integers(self.cache.rows))
-            a = sample_anchors(rng, np.asarray(self.cache.trainable[row]), cfg.anchors, B)
-            if len(a):
+            t = np.asarray(self.cache.trainable[row])
+            if len(anchor_candidates(t, B)):
                 rows.append(row)
-                anchors.append(a)
+                trainables.append(t)
             if len(rows) == cfg.rows_per_step:
                 break
         else:
             raise DFlashError("the data has (almost) no trainable tokens: no block can be placed")
+        # Banded anchors when every row allows them (then each band of blocks scores a shorter context).
+        anchors = [sample_banded_anchors(rng, t, cfg.anchors, B, self.bands) for t in trainables] \
+            if self.bands > 1 else [None]
+        bands = self.bands if all(a is not None for a in anchors) else 1
+        if bands == 1:
+            anchors = [sample_anchors(rng, t, cfg.anchors, B) for t in trainables]
         anchors = np.stack(anchors)  # [R, A]
         tokens = np.asarray(self.cache.tokens[rows]).astype(np.int32)  # [R, S]
         trainable = np.asarray(self.cache.trainable[rows])
@@ -212,6 +221,7 @@ class Trainer:
         else:
             features = mx.array(np.asarray(self._features[rows]))
         out = {
+            "bands": bands,  # a Python int, not an array: which compiled step runs it
             "features": features,
             "tokens": mx.array(tokens),
             "anchors": mx.array(anchors),
@@ -227,30 +237,44 @@ class Trainer:
         return out
 
     # -- one step ----------------------------------------------------------------------------------------------------
-    def _loss(self, batch: Dict[str, mx.array]):
+    def _loss(self, batch: Dict[str, mx.array], bands: int = 1):
         h = block_hidden(self.drafter, self.drafter.binding.embed, batch["features"].astype(mx.float32),
-                         batch["tokens"], batch["anchors"], self.mask_token_id)
+                         batch["tokens"], batch["anchors"], self.mask_token_id, bands)
         logits = self.drafter.draft_logits(h)
         return block_loss(logits, batch["labels"], self.weights, batch.get("teacher_ids"), batch.get("teacher_logp"),
                           self.config.kl)
 
     def loss(self, batch: Dict[str, mx.array]):
         """(mean weighted loss, statistics) of one micro-batch, without gradients."""
-        return self._loss(batch)
+        batch = dict(batch)
+        return self._loss(batch, batch.pop("bands", 1))
 
     def _build_steps(self) -> None:
         """The two pieces of an optimizer step, compiled with the model and optimizer state as implicit inputs:
-        `micro` (loss and weight-summed gradients of one micro-batch) and `apply` (average, clip, AdamW)."""
-        def loss_sum(batch, total):
-            # Gradients of the weight-summed loss add up across micro-batches; `apply` divides by the total.
-            loss, stats = self._loss(batch)
-            return loss * total, (loss, stats)
+        `micro` (loss and weight-summed gradients of one micro-batch; one compiled variant per band count, picked
+        by the batch's "bands") and `apply` (average, clip, AdamW)."""
+        state = [self.drafter.state, self.optimizer.state]
 
-        loss_and_grad = nn.value_and_grad(self.drafter, loss_sum)
+        def micro_for(bands: int):
+            def loss_sum(batch, total):
+                # Gradients of the weight-summed loss add up across micro-batches; `apply` divides by the total.
+                loss, stats = self._loss(batch, bands)
+                return loss * total, (loss, stats)
+
+            loss_and_grad = nn.value_and_grad(self.drafter, loss_sum)
+
+            def micro(batch, total):
+                (_, (loss, stats)), grads = loss_and_grad(batch, total)
+                return loss, stats, grads
+
+            # value_and_grad swaps parameters in: the state is an input and an output
+            return mx.compile(micro, inputs=state, outputs=state) if self.config.compile else micro
+
+        variants = {b: micro_for(b) for b in {1, self.bands}}
 
         def micro(batch, total):
-            (_, (loss, stats)), grads = loss_and_grad(batch, total)
-            return loss, stats, grads
+            batch = dict(batch)
+            return variants[batch.pop("bands", 1)](batch, total)
 
         def apply(grads, total):
             grads = tree_map(lambda g: g / mx.maximum(total, 1e-6), grads)
@@ -262,8 +286,6 @@ class Trainer:
             return norm
 
         if self.config.compile:
-            state = [self.drafter.state, self.optimizer.state]
-            micro = mx.compile(micro, inputs=state, outputs=state)  # value_and_grad swaps parameters in
             apply = mx.compile(apply, inputs=state, outputs=state)
         self._micro, self._apply = micro, apply
 
