@@ -92,7 +92,7 @@ def main() -> None:
     slot = slot_mask(B, causal=True) if attn.block_causal else None
     mx.eval(ck, cv, x, mask)
     timed("block attention: q/k/v/o projections + scores", grads_of(
-        attn, lambda x, k, v: _block_attention(attn, x, k, v, batch["anchors"], mask, slot)),
+        attn, lambda x, k, v: _block_attention(attn, x, k, v, batch["anchors"], mask, slot, batch["bands"])),
         3 * 2 * (tokens * H * (2 * q_dim + 2 * kv_dim) + tokens * c.num_attention_heads * hd * (S + B) * 2),
         x, ck, cv, layers=L)
     timed("MLP (SwiGLU)", grads_of(layer.mlp, lambda x: _mlp(layer.mlp, x)), 3 * 2 * tokens * 3 * H * c.intermediate_size,
