@@ -129,3 +129,23 @@ def load_openblas() -> Optional[str]:
         print(f"dflash-mlx: BLAS {status}", file=sys.stderr)
     return loaded
 
+
+def warn_if_skipped() -> None:
+    """Once per process: a warning when the fast BLAS could not be loaded because mlx was imported first and MLX
+    computes on the CPU (its reference BLAS is ~10x slower, and speculative decoding then cannot win)."""
+    global _warned
+    if _warned or not status.startswith("skipped"):
+        return
+    import warnings
+
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.cpu:
+        return
+    _warned = True
+    warnings.warn("mlx was imported before dflash_mlx, so MLX's CPU matmuls use its slow reference BLAS; import "
+                  "dflash_mlx first (before mlx or mlx_lm)", RuntimeWarning, stacklevel=3)
+
+
+_warned = False
+

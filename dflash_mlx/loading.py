@@ -56,6 +56,10 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
     """mlx-lm's loader for a local model directory or a hub repo id, with one-line errors."""
     from mlx_lm.utils import load as mlx_lm_load
 
+    from ._blas import warn_if_skipped
+
+    warn_if_skipped()
+
     local = Path(path_or_repo).expanduser()
     if local.exists() and not (local / "config.json").is_file():
         raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")

@@ -115,6 +115,24 @@ def test_too_late_after_mlx(monkeypatch):
     assert _blas.load_openblas() is None and _blas.status.startswith("skipped: mlx.core was imported")
 
 
+def test_too_late_warns_once_when_a_model_loads(monkeypatch):
+    import warnings
+
+    import mlx.core  # noqa: F401
+
+    _reset(monkeypatch)
+    _blas.load_openblas()
+    monkeypatch.setattr(_blas, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="import dflash_mlx first"):
+        _blas.warn_if_skipped()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _blas.warn_if_skipped()  # once per process
+        monkeypatch.setattr(_blas, "_warned", False)
+        monkeypatch.setattr(_blas, "status", "loaded OpenBLAS (x)")
+        _blas.warn_if_skipped()  # nothing to say when the fast BLAS is in
+
+
 def test_missing_choice_says_what_to_install(monkeypatch):
     monkeypatch.setattr(_blas, "find_debian_openblas", lambda: None)
     monkeypatch.setattr(_blas, "find_pip_openblas", lambda: None)
