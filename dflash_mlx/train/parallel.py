@@ -8,10 +8,11 @@ rank (an addition's result does not depend on its operands' order) without ever 
 evaluates, checkpoints and writes the drafter; the others wait for it in the next step's all-sum.
 
 Where the ranks come from:
-  - `dflash-mlx train --workers N` starts N-1 more processes on this machine and joins them as rank 0 (MLX's ring
-    backend on 127.0.0.1, as `mlx.launch --hosts 127.0.0.1 -n N` would). On a CPU one process keeps about one core
-    busy (MLX's CPU kernels and the bundled OpenBLAS run on one thread), so N processes train about N times as
-    many slots per second on N cores. `--workers` defaults to one per core on the CPU when memory allows.
+  - `dflash-mlx train --workers N` prepares the data and feature cache, then starts N processes on this machine
+    (MLX's ring backend on 127.0.0.1, as `mlx.launch --hosts 127.0.0.1 -n N` would) and waits for them; rank 0
+    draws on this terminal. On a CPU one process keeps about one core busy (MLX's CPU kernels and the bundled
+    OpenBLAS run on one thread), so N processes train about N times as many slots per second on N cores.
+    `--workers` defaults to one per core on the CPU when memory allows.
   - `mlx.launch ... -- dflash-mlx train ...` on several machines: one rank per machine; rank 0 builds the feature
     cache first, the others then open it (a shared directory) or build their own copy (the same data on every
     machine gives the same cache).
@@ -42,8 +43,8 @@ RANK_OVERHEAD = 3 * 2 ** 30
 
 
 class DataParallel:
-    """The collectives of data-parallel training over an `mx.distributed` group (run on the CPU stream, which
-    every backend supports; on Apple silicon the memory is shared anyway)."""
+    """The collectives of data-parallel training over an `mx.distributed` group, on the CPU stream (where the ring
+    and MPI backends run; on Apple silicon the memory is shared anyway; NCCL's GPU-only collectives are untested)."""
 
     def __init__(self, group: mx.distributed.Group):
         self.group = group
