@@ -36,8 +36,7 @@ spec.pop("workers", None)
 group = None
 if "MLX_RANK" in os.environ:  # one rank of a data-parallel side (this tree only)
     from dflash_mlx.distributed.group import setup
-    from dflash_mlx.train.parallel import DataParallel, single_threaded_blas
-    single_threaded_blas()
+    from dflash_mlx.train.parallel import DataParallel
     group = setup()
 args = TrainArgs(out=tempfile.mkdtemp(), progress=False, **spec)
 _, _, _, _, trainer, _, _ = _setup(args, False, lambda *a: None)

@@ -293,7 +293,6 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
         f"{'kept on the device' if resident else 'memory-mapped on the host'}")
     trainer = Trainer(drafter, cache, args.train_config(), device_features=resident)
     trainer.device = choice.describe()
-    trainer.backend = choice.backend
     if checkpoint is not None:
         trainer.load(checkpoint)
     return args, tokenizer, target, drafter, trainer, cache, extraction

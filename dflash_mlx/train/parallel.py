@@ -104,18 +104,6 @@ def available_memory() -> Optional[int]:
     return None
 
 
-def single_threaded_blas() -> None:
-    """Keep a multi-threaded OpenBLAS to one thread in this process: ranks on one machine split its cores."""
-    import ctypes
-
-    from .. import _blas
-
-    if _blas.loaded:
-        setter = getattr(ctypes.CDLL(_blas.loaded), "openblas_set_num_threads", None)
-        if setter is not None:
-            setter(1)
-
-
 class LocalWorkers:
     """Ranks 0..N-1 of a data-parallel run on this machine, each `python -m dflash_mlx.train.worker SPEC`, joined in
     one ring on 127.0.0.1. Rank 0 writes to this process's terminal (progress, log); the calling process only waits.

@@ -196,9 +196,10 @@ class Trainer:
         else:
             raise DFlashError("the data has (almost) no trainable tokens: no block can be placed")
         # Banded anchors when every row allows them (then each band of blocks scores a shorter context).
-        anchors = [sample_banded_anchors(rng, t, cfg.anchors, B, self.bands) for t in trainables] \
-            if self.bands > 1 else [None]
-        bands = self.bands if all(a is not None for a in anchors) else 1
+        bands = self.bands
+        if bands > 1:
+            anchors = [sample_banded_anchors(rng, t, cfg.anchors, B, bands) for t in trainables]
+            bands = bands if all(a is not None for a in anchors) else 1
         if bands == 1:
             anchors = [sample_anchors(rng, t, cfg.anchors, B) for t in trainables]
         anchors = np.stack(anchors)  # [R, A]
