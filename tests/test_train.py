@@ -299,11 +299,11 @@ def test_record_formats():
 
 
 def test_truncated_json_array_yields_its_complete_records(tmp_path):
-    from dflash_mlx.train.data import _records
+    from dflash_mlx.train.data import read_records
 
     file = tmp_path / "dump.json"
     file.write_text('[{"text": "a"}, {"text": "b"},\n {"text": "c')
-    assert [r["text"] for r in _records(file)] == ["a", "b"]
+    assert [r["text"] for r in read_records(file)] == ["a", "b"]
 
 
 def test_chat_documents_train_only_on_assistant_turns(tmp_path):

@@ -388,6 +388,7 @@ def _train(state, log, group) -> Path:
                disable=not (args.progress and leader))
     loss_ema = None
     started, slots0, elapsed0 = time.perf_counter(), trainer.predicted, trainer.elapsed
+    step0, after_first = trainer.step, None  # the step time without the first step's compilation
     while trainer.step < args.steps:
         if args.max_minutes is not None:
             stop = time.perf_counter() - started > 60 * args.max_minutes
@@ -397,6 +398,8 @@ def _train(state, log, group) -> Path:
                 log(f"--max-minutes {args.max_minutes} reached at step {trainer.step}; continue with --resume")
                 break
         m = trainer.train_step()
+        if after_first is None:
+            after_first = trainer.elapsed
         loss_ema = m["loss"] if loss_ema is None else 0.95 * loss_ema + 0.05 * m["loss"]
         if not leader:
             continue
@@ -423,8 +426,11 @@ def _train(state, log, group) -> Path:
     save_drafter(export, out)
     write_card(out, args, drafter.config, trainer, cache, extraction)
     rate = (trainer.predicted - slots0) / max(trainer.elapsed - elapsed0, 1e-9)
+    steady = ""
+    if after_first is not None and trainer.step - step0 > 1:
+        steady = f", {(trainer.elapsed - after_first) / (trainer.step - step0 - 1):.4f} s/step after the first"
     log(f"{trainer.step} steps, {trainer.predicted} slots in {trainer.elapsed:.0f} s ({rate:.0f} slots/s this "
-        f"session{f' on {ranks} ranks' if ranks > 1 else ''}); held-out τ {tau}; wrote {out}")
+        f"session{f' on {ranks} ranks' if ranks > 1 else ''}{steady}); held-out τ {tau}; wrote {out}")
     log(projection_text(trainer.history))
     return out
 

@@ -87,7 +87,7 @@ def _json_items(text: str) -> Iterator[dict]:
         yield item
 
 
-def _records(path: Path) -> Iterator[dict]:
+def read_records(path: Path) -> Iterator[dict]:
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix.lower() == ".json":
         if text.lstrip().startswith("["):
@@ -188,7 +188,7 @@ def read_documents(tokenizer, files: Sequence[Path], *, max_tokens: Optional[int
             break
         counts["files"] += 1
         if path.suffix.lower() in RECORD_EXTENSIONS:
-            items: Iterable = _records(path)
+            items: Iterable = read_records(path)
         else:
             items = [{"text": path.read_text(encoding="utf-8", errors="replace")}]
         for record in items:
