@@ -25,7 +25,8 @@ import dflash_mlx  # noqa: F401  (first: loads the fast BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx import _blas, models
+from dflash_mlx import _blas
+from dflash_mlx import offline_models as models
 from dflash_mlx.api import load, prepare
 from dflash_mlx.drafter_io import load_drafter
 

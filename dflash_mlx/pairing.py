@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .config import DFlashConfig
 from .errors import DFlashError
-from .target import TargetModel
+from .targets import TargetModel
 
 
 def check_pair(target: TargetModel, config: DFlashConfig) -> None:

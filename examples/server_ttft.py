@@ -19,7 +19,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from dflash_mlx import load
-from dflash_mlx.models import DEFAULT_MODEL
+from dflash_mlx.offline_models import DEFAULT_MODEL
 from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 
 
@@ -34,7 +34,7 @@ def _random_pair(name: str, block_size: int = 8):
     """The target with an untrained drafter that fits it (acceptance is near zero; prefill cost is what counts)."""
     from mlx_lm import load as mlx_lm_load
 
-    from dflash_mlx import models
+    from dflash_mlx import offline_models as models
     from dflash_mlx.config import DFlashConfig
     from dflash_mlx.drafter import DFlashDrafter
 

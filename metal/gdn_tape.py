@@ -8,7 +8,7 @@ kv read-out, no y, and, because it repeats the forward pass's own expressions on
 
 Shapes are mlx-lm's: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk].
 `*_reference` are pure MLX; `*_metal` the kernels (`gdn_tape.metal`); `gdn_tape` / `gdn_replay` dispatch.
-`TapeRollback` in `dflash_mlx.target.hybrid` plugs them into rollback.
+`TapeRollback` in `dflash_mlx.targets.hybrid` plugs them into rollback.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dflash_mlx.convert.drafter import convert_drafter
 from dflash_mlx.drafter import DFlashDrafter, TargetBinding
 from dflash_mlx.drafter_io import load_drafter
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 
 H, N_LAYERS, N_HEADS, N_KV, HEAD_DIM, INTER, VOCAB = 64, 2, 4, 2, 16, 96, 97
 TAPS, MASK = [1, 2], 96

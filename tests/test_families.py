@@ -16,7 +16,7 @@ from dflash_mlx.config import DFlashConfig
 from dflash_mlx.drafter import DFlashDrafter, TargetBinding
 from dflash_mlx.engine import dflash_generate_step
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 
 MAX_TOKENS = 24
 # The nested layouts (gemma3, gemma4) run the same layers as their text models; probe and rollback tests cover them.

@@ -18,8 +18,8 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 from cache_compare import assert_caches_equal, build, prompt
 from kernel_cases import DTYPES
 from dflash_mlx.metal import gdn_tape as gt
-from dflash_mlx.target import TargetModel
-from dflash_mlx.target.hybrid import GatedDeltaCache, ReplayRollback, TapeRollback, default_rollback
+from dflash_mlx.targets import TargetModel
+from dflash_mlx.targets.hybrid import GatedDeltaCache, ReplayRollback, TapeRollback, default_rollback
 
 
 # (B, T, Hk, Hv, Dk, Dv): GQA 1/2/4, Dk 32/64/128, Dv not a multiple of the threadgroup's 4 rows; the last one

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from dflash_mlx.metal import verify_qmm as vq
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 
 
 from kernel_cases import DTYPES, kernels_enabled

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx.engine import DecodeState
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 from tiny import (
     ALL_KINDS, CORE_KINDS, VOCAB, SteeredDFlashDrafter, SteeredOracle, corrupt_every, make_drafter, prompt_ids,
     reference, run_dflash, target,

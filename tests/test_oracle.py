@@ -9,7 +9,7 @@ import pytest
 
 from dflash_mlx.engine import DecodeState
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 from tiny import (
     CORE_KINDS, VOCAB, SteeredDFlashDrafter, corrupt_every, make_drafter, prompt_ids, reference, run_dflash, target,
 )

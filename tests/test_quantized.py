@@ -22,7 +22,7 @@ from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.engine import dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 
 MAX_TOKENS = 40
 NEAR_TIE = 1e-3  # log-prob gap between the two top tokens below which rounding may pick either

@@ -21,10 +21,10 @@ from dflash_mlx.config import DFlashConfig
 from dflash_mlx.drafter_io import build_drafter
 from dflash_mlx.engine import dflash_generate_step
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.models import ensure_offline_model
+from dflash_mlx.offline_models import ensure_offline_model
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.target import TargetModel
-from dflash_mlx.target.families import family_for
+from dflash_mlx.targets import TargetModel
+from dflash_mlx.targets.families import family_for
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 

@@ -14,9 +14,9 @@ from cache_compare import ALL, HYBRID, VOCAB, WINDOW, WINDOWED, assert_caches_eq
 from dflash_mlx.engine import DecodeState, dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.target import TargetModel
-from dflash_mlx.target.hybrid import GatedDeltaCache, RecurrentRollback, ReplayRollback
-from dflash_mlx.target.rotating import WindowKVCache
+from dflash_mlx.targets import TargetModel
+from dflash_mlx.targets.hybrid import GatedDeltaCache, RecurrentRollback, ReplayRollback
+from dflash_mlx.targets.rotating import WindowKVCache
 
 # deepseek_v3's MLA attention takes another code path for one-token writes (absorbed projections), so its
 # reference for k = 1 is the prompt and the accepted token in one write.

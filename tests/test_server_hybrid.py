@@ -13,7 +13,7 @@ from cache_compare import CONFIGS
 from dflash_mlx import stream_generate
 from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.server import ServerSettings, create_app, start_in_thread
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 from tiny import make_drafter, randomize
 
 

@@ -13,7 +13,7 @@ from dflash_mlx.server.errors import APIError
 from dflash_mlx.server.text import OutputRouter, StopMatcher
 from dflash_mlx.server.tools import (ForcedStart, ToolChoice, anthropic_tool_choice, could_be_bare_call,
                                      forced_start, openai_tool_choice, parse_bare_calls)
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 from tiny import make_drafter, prompt_ids, target
 
 

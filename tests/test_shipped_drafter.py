@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import api, models
+from dflash_mlx import api
+from dflash_mlx import offline_models as models
 from dflash_mlx.cli import main
 from dflash_mlx.drafter_io import load_drafter
 from dflash_mlx.errors import DFlashError

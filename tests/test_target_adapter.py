@@ -12,7 +12,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.utils import _get_classes
 
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.target import TargetModel, supported_model_types
+from dflash_mlx.targets import TargetModel, supported_model_types
 from tiny import ALL_KINDS, HIDDEN, TARGET_CONFIGS, VOCAB, build_target, prompt_ids, randomize, target
 
 TOL = 1e-4

@@ -370,7 +370,7 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_output(tmp_path):
 @pytest.mark.parametrize("kind", ["qwen2", "gemma3_text"])
 def test_drafter_starts_with_the_targets_output_gain(kind):
     # RMSNorm(ones) = its gain; the target's head is calibrated for that gain (Gemma stores it as 1 + w).
-    from dflash_mlx.target import TargetModel
+    from dflash_mlx.targets import TargetModel
     from dflash_mlx.train.command import output_scale
 
     from cache_compare import build

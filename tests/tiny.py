@@ -22,7 +22,7 @@ from dflash_mlx.config import DFlashConfig
 from dflash_mlx.drafter import DFlashDrafter, TargetBinding
 from dflash_mlx.engine import Cycle, DecodeState, dflash_generate_step
 from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.target import TargetModel
+from dflash_mlx.targets import TargetModel
 
 VOCAB = 97
 HIDDEN = 64

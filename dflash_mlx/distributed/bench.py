@@ -81,7 +81,7 @@ class Meter:
 
     def report(self, methods, records: List[dict]) -> Dict:
         """Per method: KB per pass, collectives per pass, estimated ms of communication per pass."""
-        from ..target import TargetModel
+        from ..targets import TargetModel
 
         hidden = TargetModel(self.model).hidden_size
         widths = {1}

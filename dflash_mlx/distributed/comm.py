@@ -124,7 +124,7 @@ def _ring_sockets(addresses: Set[Tuple[str, int]]) -> Dict[str, socket.socket]:
 
 def is_pipelined(model) -> bool:
     """Whether an mlx-lm model was split into pipeline stages (mlx-lm's `pipeline()`)."""
-    from ..target.families import text_lm
+    from ..targets.families import text_lm
 
     return getattr(getattr(text_lm(model), "model", None), "pipeline_size", 1) > 1
 

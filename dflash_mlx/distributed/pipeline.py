@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..target.adapter import TargetModel
+from ..targets.adapter import TargetModel
 
 
 class _Stage:

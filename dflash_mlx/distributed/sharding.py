@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import DFlashError
-from ..target.adapter import model_type_of
+from ..targets.adapter import model_type_of
 from ..loading import check_family
-from ..target.families import text_lm
+from ..targets.families import text_lm
 from .group import barrier, rank0_first, setup
 from .pipeline import FeatureExchange
 

@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..target.hybrid import GatedDeltaCache
+from ..targets.hybrid import GatedDeltaCache
 
 
 def _cuttable(cache: Any) -> bool:

@@ -241,7 +241,7 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
     from ..api import prepare
     from ..config import DFlashConfig
     from ..drafter_io import build_drafter
-    from ..target import TargetModel
+    from ..targets import TargetModel
     from .device import features_on_device, pick_device
     from .trainer import Trainer, latest_checkpoint
     from .vocab import head_rows, maps, select_vocab

