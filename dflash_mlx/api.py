@@ -10,7 +10,6 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Generator, List, Optional, Union
@@ -20,19 +19,16 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .acceptance import Acceptor, make_acceptor
-from .console import print_stats
+from .acceptance import Acceptor
 from .drafter import DFlashDrafter
-from .engine import DecodeState, dflash_generate_step
+from .engine import DecodeState
 from .errors import DFlashError
+from .generation import Generation
 from .loading import load, prepare
-from .stats import AcceptanceStats, CollapseWatch
-from .distributed.group import agree_on_width
-from .width import Width, WidthPolicy, nominal_cost
+from .stats import AcceptanceStats
+from .width import Width
 
-__all__ = ["DFlashResponse", "generate", "load", "prepare", "stream_generate"]
-
-logger = logging.getLogger("dflash_mlx")
+__all__ = ["DFlashResponse", "generate", "load", "prepare", "print_stats", "stream_generate"]
 
 
 @dataclass
@@ -92,8 +88,8 @@ def stream_generate(
         max_tokens: the most tokens to generate (-1: until EOS).
         block_size: fixes the tokens verified per pass (1 means plain decoding). By default the width is chosen
             before every pass (`width.WidthPolicy`: expected committed tokens per second, from measured pass times
-            and the acceptance so far), up to the drafter's block size; with a `seed`, from a fixed cost model
-            instead of measured times, so that the seed reproduces the output.
+            and the acceptance so far), up to the drafter's block size; when sampling with a `seed`, from a fixed
+            cost model instead of measured times, so that the seed reproduces the output.
         prefill_step_size: prompt tokens per prefill chunk.
         state: caches to continue from (see `engine.DecodeState`); fresh ones if omitted.
         acceptor: a ready acceptance rule (see `acceptance.make_acceptor`), instead of the sampling keywords.
@@ -113,84 +109,41 @@ def stream_generate(
         DFlashResponse: text segment, token, logprobs, from_draft, timing, memory, finish_reason and
         acceptance statistics. The last response has `finish_reason` "stop" (EOS) or "length".
     """
-    if max_tokens == 0:
-        raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
-    if acceptor is None:
-        acceptor = _acceptor(sampling)
-    elif sampling:
-        raise DFlashError(f"give either acceptor= or sampling options ({', '.join(sampling)}), not both")
-    target = prepare(model, drafter)
-    eos = set(tokenizer.eos_token_ids)
-    adaptive = drafter is not None and block_size is None
-    if adaptive and width is None:
-        # A seed must reproduce the output, so then the widths follow acceptance alone, not the clock.
-        seeded = sampling.get("seed") is not None
-        width = WidthPolicy(drafter.block_size, cost=nominal_cost if seeded else None)
-        width = agree_on_width(width)  # several ranks (mx.distributed) must choose alike; a no-op on one machine
-    stats = AcceptanceStats(adaptive=adaptive)
-    cycles = dflash_generate_step(ids, target, drafter, max_tokens=max_tokens, block_size=block_size,
-                                  stop_tokens=eos, prefill_step_size=prefill_step_size, state=state,
-                                  acceptor=acceptor, width=width, prefill_progress=prefill_progress)
+    generation = Generation(prepare(model, drafter), drafter, ids, tokenizer=tokenizer, max_tokens=max_tokens,
+                            width=block_size, width_policy=width, acceptor=acceptor, state=state,
+                            warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
+                            prefill_progress=prefill_progress, **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
-    with wired_limit(model, [generation_stream]):
-        try:
-            yield from _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse)
-        finally:
-            cycles.close()  # rolls a queued verify pass out of the caches right away, not at garbage collection
+    with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
+        yield from _responses(generation)
 
 
-def _acceptor(sampling: dict) -> Acceptor:
-    try:
-        return make_acceptor(**sampling)
-    except TypeError as e:  # an unknown keyword
-        raise DFlashError(f"stream_generate: {e}; the sampling options are those of make_acceptor") from e
-
-
-def _responses(cycles, ids, tokenizer, eos, max_tokens, stats, warn_collapse):
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    watch = CollapseWatch() if warn_collapse else None
-    tic = time.perf_counter()
-    prompt_tps, n = 0.0, 0
-    for cycle in cycles:
-        if cycle.is_prefill:
-            prompt_tps = ids.size / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        else:
-            stats.record(cycle.accepted, cycle.block_size)
-            message = watch.check(stats) if watch else None
-            if message:
-                logger.warning(message)
-        for i, token in enumerate(cycle.tokens):
+def _responses(generation: Generation) -> Generator[DFlashResponse, None, None]:
+    n, prompt_tokens, stats = 0, generation.prompt.size, generation.stats
+    for p in generation:
+        for i, token in enumerate(p.tokens):
             n += 1
-            finish = "stop" if token in eos else ("length" if n == max_tokens else None)
-            if finish != "stop":
-                detokenizer.add_token(token)
-            if finish:
-                detokenizer.finalize()
-            row = cycle.logits[i]
+            row = p.logits[i]
             yield DFlashResponse(
-                text=detokenizer.last_segment,
+                text=p.segments[i],
                 token=token,
                 logprobs=row - mx.logsumexp(row, keepdims=True),
-                from_draft=i < cycle.accepted,
-                prompt_tokens=ids.size,
-                prompt_tps=prompt_tps,
+                from_draft=i < p.accepted,
+                prompt_tokens=prompt_tokens,
+                prompt_tps=generation.prompt_tps,
                 generation_tokens=n,
-                generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                generation_tps=n / max(generation.generation_seconds, 1e-9),
                 peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
-                accepted=cycle.accepted,
-                block_size=cycle.block_size,
+                finish_reason=p.finish_reason if i == len(p.tokens) - 1 else None,
+                accepted=p.accepted,
+                block_size=p.width,
                 tau=stats.tau,
                 widths=dict(stats.widths),
                 stats=stats,
             )
-            if finish:
-                return
 
 
 def generate(
@@ -218,3 +171,17 @@ def generate(
         print()
         print_stats(response, block_label="widest")
     return text
+
+
+def print_stats(response, block_label: str = "block size") -> None:
+    """Speed, acceptance and memory of a run, as the CLI and `generate(verbose=True)` print them; `block_label`
+    names the widest block (`generate` says "widest")."""
+    print("=" * 10)
+    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+    stats = response.stats
+    if stats and stats.cycles:
+        print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
+              f"({block_label} {stats.max_block}); tokens committed per pass:")
+        print(stats.format_histogram())
+    print(f"Peak memory: {response.peak_memory:.3f} GB", flush=True)

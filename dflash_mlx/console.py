@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from . import api
 from .validate import LONG_PROMPT_TOKENS, block_size_warning, check_model_dir, prompt_length_warning
 
 
 def load_checked(model: str, draft: Optional[str], quant: Optional[str]):
     """`api.load(model, draft, quant=quant)`, with broken local files and an unreachable hub named first."""
-    from . import api
-
     local = Path(model).expanduser()
     if not local.exists() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
         from .hub import fetch_target
@@ -75,8 +74,6 @@ def stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bo
     Ctrl-C: the line is ended and the summary of what was generated so far is printed before the
     KeyboardInterrupt is re-raised.
     """
-    from . import api
-
     bar = PrefillBar(len(ids))
     options = dict(options, prefill_progress=bar)
     response = None
@@ -91,24 +88,10 @@ def stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bo
         bar.close()
         print(flush=True)
         if verbose and response is not None:
-            print_stats(response)
+            api.print_stats(response)
         raise
     finally:
         bar.close()
     print()
     if verbose and response is not None:
-        print_stats(response)
-
-
-def print_stats(response, block_label: str = "block size") -> None:
-    """Speed, acceptance and memory of a run, as the CLI and `dflash_mlx.generate(verbose=True)` print them;
-    `block_label` names the widest block (`generate` says "widest")."""
-    print("=" * 10)
-    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
-    stats = response.stats
-    if stats and stats.cycles:
-        print(f"Acceptance: tau {stats.tau:.2f} over {stats.cycles} verify passes "
-              f"({block_label} {stats.max_block}); tokens committed per pass:")
-        print(stats.format_histogram())
-    print(f"Peak memory: {response.peak_memory:.3f} GB", flush=True)
+        api.print_stats(response)

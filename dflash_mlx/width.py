@@ -37,6 +37,23 @@ class Width(Protocol):
     def record(self, width: int, accepted: int, seconds: float) -> None: ...
 
 
+# How a width policy is shared with other processes that must choose the same widths (ranks of one
+# distributed generation). The core has no notion of ranks: the distributed layer installs a wrapper when it joins
+# a group of several; alone, a policy is used as it is.
+_coordinator: Optional[Callable[["Width"], "Width"]] = None
+
+
+def install_coordinator(wrap: Optional[Callable[["Width"], "Width"]]) -> None:
+    """Have every adaptive width policy built from now on wrapped by `wrap` (None: no wrapping)."""
+    global _coordinator
+    _coordinator = wrap
+
+
+def coordinate(policy: "Width") -> "Width":
+    """`policy` as the installed coordinator wraps it (itself when none is installed)."""
+    return _coordinator(policy) if _coordinator is not None else policy
+
+
 class FixedWidth:
     """Always the same width (`block_size=N`, `--block-size N`)."""
 

@@ -347,10 +347,10 @@ def pair(tmp_path_factory):
 
 def _record_acceptors(monkeypatch):
     """Record make_acceptor's arguments; decode greedily (no filter kernels to compile)."""
-    from dflash_mlx import api
+    from dflash_mlx import generation
 
     calls = []
-    monkeypatch.setattr(api, "make_acceptor", lambda *a, **k: calls.append((a, k)) or GreedyAcceptor())
+    monkeypatch.setattr(generation, "make_acceptor", lambda *a, **k: calls.append((a, k)) or GreedyAcceptor())
     return calls
 
 

@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
+from ..width import install_coordinator
 
 # Seconds to wait for the other ranks to connect; a launcher starts them within a second or two of each other.
 DEFAULT_TIMEOUT = 60.0
@@ -130,6 +131,7 @@ def setup(backend: str = "any", timeout: Optional[float] = None, quiet: bool = T
         group = init_group(backend, timeout)
         if group.size() > 1:
             _seed = share_seed(group)
+            install_coordinator(agree_on_width)  # every adaptive width policy built from now on paces alike
             if quiet:
                 quiet_unless_rank0(group)
         _group = group

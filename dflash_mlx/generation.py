@@ -1,0 +1,190 @@
+"""One generation, as every front end drives it: the acceptance rule, the width policy, the statistics, the
+collapse watch and the detokenizer are built here, once, and the engine's verify passes come out as `Pass`es.
+
+    gen = Generation(target, drafter, prompt_ids, tokenizer=tokenizer, max_tokens=64, temp=0.7, seed=1)
+    for p in gen:
+        print(p.text, end="")      # p.tokens, p.segments, p.accepted, p.width, p.logits, p.finish_reason
+    gen.stats.tau
+
+`api.stream_generate` turns passes into per-token responses, the server into deltas with stop strings and the
+prefix cache, the bench into timed chunks. The rules that used to live in each of them live here:
+- sampling keywords make the acceptor (`acceptance.make_acceptor`); a ready acceptor may be given instead;
+- the verify width: fixed with `width`, else chosen every pass by `width.WidthPolicy` up to the drafter's block;
+  when sampled output must be reproducible (a seed and a non-greedy acceptor) from a fixed cost model instead of
+  the clock; then wrapped by the installed coordinator (several ranks must choose alike, see
+  `width.install_coordinator`: the distributed layer installs one, the core never imports it);
+- statistics (`stats.AcceptanceStats`) and the acceptance-collapse watch, one warning per generation;
+- detokenization: each committed token's text segment, as mlx-lm's streaming detokenizer gives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
+from .engine import DecodeState, dflash_generate_step
+from .errors import DFlashError
+from .stats import AcceptanceStats, CollapseWatch
+from .width import Width, WidthPolicy, coordinate, nominal_cost
+
+logger = logging.getLogger("dflash_mlx")
+
+
+@dataclass
+class Pass:
+    """What one verify pass committed (the first pass of a generation is the prefill's token)."""
+
+    tokens: List[int]  # committed tokens, a stop token included, cut at the token limit
+    accepted: int  # draft tokens the pass accepted
+    width: int  # tokens the pass verified (1: a plain decoding step; 1 for the prefill's token)
+    logits: mx.array  # [len(tokens), V] the target logits that chose each token (lazy)
+    is_prefill: bool = False
+    segments: List[str] = field(default_factory=list)  # text each token added (detokenized; "" for a stop token)
+    finish_reason: Optional[str] = None  # "stop" (a stop token), "length" (the token limit) or None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.segments)
+
+
+class Generation:
+    """A DFlash generation of `prompt` (token ids) by `target` with `drafter` (None: plain decoding, same loop).
+
+    Args:
+        target: the wrapped target (`loading.prepare`); drafter: a bound drafter or None.
+        prompt: token ids (1-D `mx.array` or list); with `state`, they continue it.
+        tokenizer: an mlx-lm `TokenizerWrapper`: its EOS ids stop the generation and its detokenizer fills each
+            pass's `segments`; None for token-only use (the bench), stopping at `stop_tokens` alone.
+        max_tokens: the most tokens to commit (-1: no limit).
+        width: fixes the tokens verified per pass (1: plain decoding); None lets `width_policy` (by default a
+            `WidthPolicy` up to the drafter's block size) choose before every pass.
+        acceptor: a ready acceptance rule, instead of the `sampling` keywords of `acceptance.make_acceptor`.
+        state: caches to continue from; history: tokens already in those caches (logits processors see them).
+        stop_tokens: extra stop ids (the tokenizer's EOS ids always stop).
+        tokenizer_lock: held while detokenizing (the server shares its tokenizer with other threads).
+        warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted.
+        prefill_step_size, prefill_progress, mask_token_id, profiler: as `engine.dflash_generate_step` takes them.
+    """
+
+    def __init__(self, target, drafter, prompt, *, tokenizer=None, max_tokens: int = 256,
+                 width: Optional[int] = None, width_policy: Optional[Width] = None,
+                 acceptor: Optional[Acceptor] = None, state: Optional[DecodeState] = None,
+                 history: Optional[Sequence[int]] = None, stop_tokens: Sequence[int] = (),
+                 tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
+                 prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
+                 mask_token_id: Optional[int] = None, profiler=None, **sampling):
+        if max_tokens == 0:
+            raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
+        if acceptor is None:
+            acceptor = _acceptor(sampling)
+        elif sampling:
+            raise DFlashError(f"give either acceptor= or sampling options ({', '.join(sampling)}), not both")
+        self.acceptor = acceptor
+        self.prompt = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), dtype=mx.int32)
+        if self.prompt.size == 0:
+            raise DFlashError("the prompt is empty")
+        self.max_tokens = max_tokens
+        self.adaptive = drafter is not None and width is None
+        if self.adaptive and width_policy is None:
+            # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
+            reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
+            width_policy = coordinate(WidthPolicy(drafter.block_size, cost=nominal_cost if reproducible else None))
+        self.width_policy = width_policy if self.adaptive else None
+        self.stats = AcceptanceStats(adaptive=self.adaptive)
+        self.watch = CollapseWatch() if warn_collapse else None
+        self.collapse_warning: Optional[str] = None
+        self.drafted = self.accepted = 0  # draft tokens proposed / accepted over the verify passes
+        self.tokens_generated = 0
+        self.prefill_seconds = self.started = 0.0
+        self.finish_reason: Optional[str] = None
+        self.tokenizer = tokenizer
+        self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+        self.stops = self.eos | set(int(t) for t in stop_tokens)
+        self._lock = tokenizer_lock or nullcontext()
+        self._detokenizer = None
+        if tokenizer is not None:
+            with self._lock:
+                self._detokenizer = tokenizer.detokenizer  # mlx-lm hands out a fresh copy per access
+                self._detokenizer.reset()
+        if history is not None and len(history):
+            acceptor.observe(mx.array(list(history), dtype=mx.int32))
+        self._cycles = dflash_generate_step(
+            self.prompt, target, drafter, max_tokens=max_tokens, block_size=width if drafter is not None else None,
+            mask_token_id=mask_token_id, stop_tokens=self.stops, prefill_step_size=prefill_step_size, state=state,
+            acceptor=acceptor, width=self.width_policy, prefill_progress=prefill_progress, profiler=profiler)
+
+    # -- the passes ------------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Pass]:
+        tic = time.perf_counter()
+        for cycle in self._cycles:
+            if cycle.is_prefill:
+                self.prefill_seconds = time.perf_counter() - tic
+                self.started = time.perf_counter()
+            else:
+                self._record(cycle.accepted, cycle.block_size)
+            self.tokens_generated += len(cycle.tokens)
+            finish = None
+            if cycle.tokens and cycle.tokens[-1] in self.stops:
+                finish = "stop"
+            elif self.max_tokens > 0 and self.tokens_generated >= self.max_tokens:
+                finish = "length"
+            self.finish_reason = finish
+            yield Pass(cycle.tokens, cycle.accepted, cycle.block_size, cycle.logits, cycle.is_prefill,
+                       self._segments(cycle.tokens, finish), finish)
+            if finish:
+                return
+
+    def close(self) -> None:
+        """Stop early: a queued verify pass is rolled out of the caches at once (they hold the committed tokens)."""
+        self._cycles.close()
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- bookkeeping -----------------------------------------------------------------------------------------------
+    def _record(self, accepted: int, width: int) -> None:
+        self.stats.record(accepted, width)
+        self.drafted += width - 1
+        self.accepted += accepted
+        message = self.watch.check(self.stats) if self.watch else None
+        if message:
+            self.collapse_warning = message
+            logger.warning(message)
+
+    def _segments(self, tokens: List[int], finish: Optional[str]) -> List[str]:
+        if self._detokenizer is None:
+            return []
+        segments = []
+        with self._lock:
+            for i, token in enumerate(tokens):
+                last = finish is not None and i == len(tokens) - 1
+                if not (last and finish == "stop"):
+                    self._detokenizer.add_token(token)
+                if last:
+                    self._detokenizer.finalize()
+                segments.append(self._detokenizer.last_segment)
+        return segments
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt.size / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def generation_seconds(self) -> float:
+        return time.perf_counter() - self.started if self.started else 0.0
+
+
+def _acceptor(sampling: dict) -> Acceptor:
+    try:
+        return make_acceptor(**sampling)
+    except TypeError as e:  # an unknown keyword
+        raise DFlashError(f"stream_generate: {e}; the sampling options are those of make_acceptor") from e
