@@ -63,7 +63,7 @@ class Generation:
             pass's `segments`; None for token-only use (the bench), stopping at `stop_tokens` alone.
         max_tokens: the most tokens to commit (-1: no limit).
         width: fixes the tokens verified per pass (1: plain decoding); None lets `width_policy` (by default a
-            `WidthPolicy` up to the drafter's block size) choose before every pass.
+            `WidthPolicy` up to `max_width`, the drafter's block size unless given) choose before every pass.
         acceptor: a ready acceptance rule, instead of the `sampling` keywords of `acceptance.make_acceptor`.
         state: caches to continue from; history: tokens already in those caches (logits processors see them).
         stop_tokens: extra stop ids (the tokenizer's EOS ids always stop).
@@ -73,7 +73,7 @@ class Generation:
     """
 
     def __init__(self, target, drafter, prompt, *, tokenizer=None, max_tokens: int = 256,
-                 width: Optional[int] = None, width_policy: Optional[Width] = None,
+                 width: Optional[int] = None, width_policy: Optional[Width] = None, max_width: Optional[int] = None,
                  acceptor: Optional[Acceptor] = None, state: Optional[DecodeState] = None,
                  history: Optional[Sequence[int]] = None, stop_tokens: Sequence[int] = (),
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
@@ -94,7 +94,8 @@ class Generation:
         if self.adaptive and width_policy is None:
             # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
             reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
-            width_policy = coordinate(WidthPolicy(drafter.block_size, cost=nominal_cost if reproducible else None))
+            widest = max_width or drafter.block_size
+            width_policy = coordinate(WidthPolicy(widest, cost=nominal_cost if reproducible else None))
         self.width_policy = width_policy if self.adaptive else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)
         self.watch = CollapseWatch() if warn_collapse else None

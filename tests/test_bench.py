@@ -148,3 +148,19 @@ def test_no_fixed_draft_and_profile_prompts(pair, prompts_file, tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [m["name"] for m in data["methods"]] == ["mlx-lm", "dflash adaptive"]
     assert [bool(p["runs"]["dflash adaptive"].get("phases_s")) for p in data["prompts"]] == [True, False]
+
+
+def test_sampled_bench_is_reproducible_with_a_seed(pair, prompts_file, tmp_path):
+    """`bench --temp 0.7 --seed 1` twice: every method's output is the same token for token. Sampled DFlash output
+    depends on the verify widths, so the adaptive method must choose them from acceptance alone, not the clock."""
+    outputs = []
+    for run in range(2):
+        out = tmp_path / f"run{run}"
+        code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompts", str(prompts_file),
+                     "--num-prompts", "2", "--max-tokens", "24", "--temp", "0.7", "--seed", "1", "--ignore-eos",
+                     "--no-profile", "--verify-prompts", "0", "--out", str(out)])
+        assert code == 0
+        report = json.loads((out / "bench.json").read_text())
+        outputs.append({(p["id"], name): r["output"] for p in report["prompts"] for name, r in p["runs"].items()})
+    assert any("adaptive" in name for _, name in outputs[0])
+    assert outputs[0] == outputs[1]

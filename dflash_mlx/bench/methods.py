@@ -23,12 +23,10 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from ..acceptance import make_acceptor
-from ..distributed import agree_on_width
-from ..engine import DecodeState, dflash_generate_step, prefill
+from ..engine import DecodeState, prefill
+from ..generation import Generation
 from ..oracle import OracleDrafter
 from ..targets import TargetModel
-from ..width import WidthPolicy
 
 PHASES = ("draft", "verify", "rollback", "host")
 PREFILL_STEP = 2048
@@ -204,23 +202,20 @@ class DFlashMethod(Method):
         state = DecodeState.fresh(self.target, drafter)
         if len(ids) > 1:
             prefill(self.target, drafter, mx.array(ids[:-1], dtype=mx.int32), state, PREFILL_STEP)
-        acceptor = make_acceptor(temp=self.temp, seed=seed)  # rejection sampling when temp > 0
-        # Several ranks (bench --distributed) must choose alike: rank 0's clock paces them all.
-        fixed, width = (None, agree_on_width(WidthPolicy(self.block))) if self.adaptive else (self.block, None)
-        cycles = dflash_generate_step(mx.array(ids[-1:], dtype=mx.int32), self.target, drafter,
-                                      max_tokens=max_tokens, block_size=fixed, mask_token_id=self.mask_token_id,
-                                      stop_tokens=stops, state=state, acceptor=acceptor, width=width,
-                                      profiler=profiler)
-        return self._passes(cycles)
+        # Rejection sampling when temp > 0; a seeded sampled run chooses its widths from acceptance alone, so the
+        # seed reproduces it (the rule every front end gets from `Generation`).
+        generation = Generation(self.target, drafter, ids[-1:], max_tokens=max_tokens,
+                                width=None if self.adaptive else self.block, max_width=self.block, mask_token_id=self.mask_token_id,
+                                stop_tokens=stops, state=state, warn_collapse=False, profiler=profiler,
+                                temp=self.temp, seed=seed)
+        return self._passes(generation)
 
     @staticmethod
-    def _passes(cycles) -> Iterator[Chunk]:
-        try:
-            for c in cycles:
+    def _passes(generation: Generation) -> Iterator[Chunk]:
+        with generation:
+            for p in generation:
                 # The prefill's token is not a verify pass of the decode loop.
-                yield c.tokens, c.accepted, 0 if c.is_prefill else c.block_size
-        finally:
-            cycles.close()
+                yield p.tokens, p.accepted, 0 if p.is_prefill else p.width
 
 
 def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: Sequence[int],

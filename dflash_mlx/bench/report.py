@@ -45,6 +45,7 @@ def summarize(methods, plain_name: str, records: List[dict], greedy: bool = True
                 "tok_s": len(run.tokens) / run.seconds if run.seconds else 0.0,
                 "tau": stats.tau, "cycles": stats.cycles, "identical": mismatch is None,
                 "first_mismatch": mismatch, "peak_memory_gb": run.peak_memory / GB,
+                "output": list(run.tokens),  # the token ids, so that two runs (a seed, say) can be compared
             }
             if name in rec["profiled"]:
                 runs[name]["phases_s"] = rec["profiled"][name].phases

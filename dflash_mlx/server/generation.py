@@ -1,7 +1,7 @@
 """The server's one door into the DFlash engine: run a tokenized request with the prefix cache, cycle by cycle.
 
 `Generator.run` restores the longest cached prefix of the prompt, prefills the rest (stopping at message boundaries
-to snapshot caches that cannot be cut back), then runs `engine.dflash_generate_step` and yields one `Delta` per
+to snapshot caches that cannot be cut back), then drives a `generation.Generation` and yields one `Delta` per
 verify pass and a final `Outcome`. Between two passes it polls `should_stop`; closing the engine's generator rolls
 a queued pass out of the caches, so they hold exactly the committed tokens and are stored for the next request.
 Everything here runs on the server's single worker thread (MLX is driven from one thread).
@@ -17,12 +17,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..acceptance import make_acceptor
-from ..distributed.group import agree_on_width
-from ..engine import DecodeState, dflash_generate_step, prefill
+from ..engine import DecodeState, prefill
+from ..generation import Generation
 from ..loading import prepare
-from ..stats import AcceptanceStats, CollapseWatch
-from ..width import WidthPolicy, nominal_cost
+from ..stats import AcceptanceStats
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .text import StopMatcher
 from .tokenizer_lock import tokenizer_lock
@@ -148,94 +146,68 @@ class Generator:
                     position = b
                     self._store(prompt[:b], state)
 
-        acceptor = make_acceptor(**req.sampling)
-        width = None
-        if self.drafter is not None and self.block_size is None:
-            # As `stream_generate`: widths chosen every pass; a seeded request follows acceptance alone (not the
-            # clock), so the same seed gives the same reply.
-            seeded = req.sampling.get("seed") is not None
-            width = WidthPolicy(self.drafter.block_size, cost=nominal_cost if seeded else None)
-            width = agree_on_width(width)  # several ranks (mx.distributed) must choose alike
-        if position > 0:
-            acceptor.observe(mx.array(prompt[:position], dtype=mx.int32))  # logits processors see the whole prompt
-        steps = dflash_generate_step(mx.array(prompt[position:], dtype=mx.int32), self.target, self.drafter,
-                                     max_tokens=req.max_tokens, block_size=self.block_size, stop_tokens=self.eos,
-                                     prefill_step_size=self.prefill_step_size, state=state, acceptor=acceptor,
-                                     width=width)
-        stats, widths, watch, collapsed = AcceptanceStats(adaptive=width is not None), {}, CollapseWatch(), False
-        drafted = accepted = last_width = 0
+        generation = Generation(self.target, self.drafter, prompt[position:], tokenizer=self.tokenizer,
+                                max_tokens=req.max_tokens, width=self.block_size, state=state,
+                                history=prompt[:position], tokenizer_lock=self.tokenizer_lock,
+                                prefill_step_size=self.prefill_step_size, **req.sampling)
+        widths: Dict[int, int] = {}
+        last_width = 0
         committed: List[int] = []
-        with self.tokenizer_lock:
-            detokenizer = self.tokenizer.detokenizer  # this request's own (mlx-lm hands out a copy)
-            detokenizer.reset()
         stopper = StopMatcher(req.stop)
-        finish, emitted, ttft, gen_tic = None, 0, 0.0, tic
+        finish, emitted, ttft = None, 0, 0.0
         try:
-            for cycle in steps:
-                if cycle.is_prefill:
+            for p in generation:
+                if p.is_prefill:
                     ttft = time.perf_counter() - tic
-                    gen_tic = time.perf_counter()
                     if not self.cuttable:
                         # The prompt's state, before any verify pass: the next turn of a chat extends this prompt.
                         self._store(prompt, state)
                 else:
-                    stats.record(cycle.accepted, cycle.block_size)
-                    widths[cycle.block_size] = widths.get(cycle.block_size, 0) + 1
-                    last_width = cycle.block_size
-                    drafted += cycle.block_size - 1
-                    accepted += cycle.accepted
-                    warning = watch.check(stats)
-                    if warning:
-                        collapsed = True
-                        logger.warning(warning)
-                committed.extend(cycle.tokens)
+                    widths[p.width] = widths.get(p.width, 0) + 1
+                    last_width = p.width
+                committed.extend(p.tokens)
                 text, tokens = "", []
-                with self.tokenizer_lock:
-                    for token in cycle.tokens:
-                        emitted += 1
-                        tokens.append(token)
-                        if token in self.eos:
-                            finish = "stop"
-                            detokenizer.finalize()
-                            text += stopper.feed(detokenizer.last_segment, final=True)
-                            break
-                        detokenizer.add_token(token)
-                        last = emitted >= req.max_tokens
-                        if last:
-                            detokenizer.finalize()
-                        text += stopper.feed(detokenizer.last_segment, final=last)
-                        if stopper.hit is not None:
-                            finish = "stop"
-                            break
-                        if last:
-                            finish = "length"
-                            break
-                logprobs = self._logprobs(cycle.logits, tokens, req.top_logprobs) if req.logprobs else None
+                for token, segment in zip(p.tokens, p.segments):
+                    emitted += 1
+                    tokens.append(token)
+                    if token in self.eos:
+                        finish = "stop"
+                        text += stopper.feed(segment, final=True)
+                        break
+                    last = emitted >= req.max_tokens
+                    text += stopper.feed(segment, final=last)
+                    if stopper.hit is not None:
+                        finish = "stop"
+                        break
+                    if last:
+                        finish = "length"
+                        break
+                logprobs = self._logprobs(p.logits, tokens, req.top_logprobs) if req.logprobs else None
                 yield Delta(text, tokens, logprobs)
                 if finish is None and should_stop():
                     finish = "cancelled"
                 if finish is not None:
                     break
             if finish is None:  # the engine ran out of tokens without saying why: treat as the length limit
-                with self.tokenizer_lock:
-                    detokenizer.finalize()
-                tail = stopper.feed(detokenizer.last_segment, final=True)
+                tail = stopper.feed("", final=True)
                 if tail:
                     yield Delta(tail, [])
                 finish = "length"
         except BaseException:
-            steps.close()
+            generation.close()
             raise  # caches a failed pass may have half-written are never stored
-        steps.close()  # rolls a queued verify pass out of the caches
+        generation.close()  # rolls a queued verify pass out of the caches
         if committed and state.last_token == committed[-1]:
             self._store(prompt + committed[:-1], state)  # the newest token is not in the caches yet
-        gen_time = time.perf_counter() - gen_tic
+        gen_time = generation.generation_seconds
         # Width-1 passes are plain decoding steps, except a last pass the token limit cut down.
         plain_passes = widths.get(1, 0) - (1 if last_width == 1 and emitted >= req.max_tokens else 0)
-        summary = _dflash_stats(stats, widths, drafted, accepted, self.plain, ttft, gen_time, emitted, n - cached, ttft)
+        summary = _dflash_stats(generation.stats, widths, generation.drafted, generation.accepted, self.plain, ttft,
+                                gen_time, emitted, n - cached, ttft)
         summary["plain_passes"] = plain_passes
         summary["fallback"] = summary["fallback"] or plain_passes > 0
-        summary["collapsed"] = collapsed  # drafting stopped paying off (tau near 1 over many passes)
+        # Drafting stopped paying off (tau near 1 over many passes).
+        summary["collapsed"] = generation.collapse_warning is not None
         yield Outcome(finish, n, emitted, cached, n - cached, summary, stopper.hit)
 
     def _logprobs(self, logits: mx.array, tokens: List[int], top: int) -> List[TokenLogprob]:
