@@ -53,10 +53,15 @@ class Cycle:
     """Tokens committed by one verify pass."""
 
     tokens: List[int]
-    accepted: int  # draft tokens accepted (0..block-1); the last token is always the target's bonus
-    block_size: int  # tokens verified in this pass (1 for the prefill cycle)
+    accepted: int  # draft tokens accepted (0..width-1); the last token is always the target's bonus
+    width: int  # tokens verified in this pass (1 for the prefill cycle)
     logits: Optional[mx.array] = None  # [len(tokens), V] target logits that chose each token (lazy)
     is_prefill: bool = False
+
+    @property
+    def block_size(self) -> int:
+        """The pass's verify width under its earlier name (the drafter's block size is another thing)."""
+        return self.width
 
 
 @dataclass

@@ -128,7 +128,7 @@ class Generation:
                 self.prefill_seconds = time.perf_counter() - tic
                 self.started = time.perf_counter()
             else:
-                self._record(cycle.accepted, cycle.block_size)
+                self._record(cycle.accepted, cycle.width)
             self.tokens_generated += len(cycle.tokens)
             finish = None
             if cycle.tokens and cycle.tokens[-1] in self.stops:
@@ -136,7 +136,7 @@ class Generation:
             elif self.max_tokens > 0 and self.tokens_generated >= self.max_tokens:
                 finish = "length"
             self.finish_reason = finish
-            yield Pass(cycle.tokens, cycle.accepted, cycle.block_size, cycle.logits, cycle.is_prefill,
+            yield Pass(cycle.tokens, cycle.accepted, cycle.width, cycle.logits, cycle.is_prefill,
                        self._segments(cycle.tokens, finish), finish)
             if finish:
                 return

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,9 +31,12 @@ from ..targets import TargetModel
 PHASES = ("draft", "verify", "rollback", "host")
 PREFILL_STEP = 2048
 
-# One target pass as the benchmark sees it: (tokens committed, drafts accepted, tokens verified); tokens verified
-# is 0 for a pass that is no verify pass (DFlash's first token, from feeding the last prompt token).
-Chunk = Tuple[List[int], int, int]
+class Chunk(NamedTuple):
+    """One target pass as the benchmark sees it."""
+
+    tokens: List[int]  # committed
+    accepted: int  # drafts accepted
+    width: int  # tokens verified; 0 for a pass that is no verify pass (DFlash's first token, from the prompt)
 
 
 class PhaseProfiler:
@@ -139,7 +142,7 @@ class PlainMethod(Method):
         _prefill_mlx_lm(self.model, cache, ids[:-1])
         steps = generate_step(mx.array(ids[-1:], dtype=mx.int32), self.model, max_tokens=max_tokens,
                               sampler=make_sampler(temp=self.temp), prompt_cache=cache)
-        return (([int(token)], 0, 1) for token, _ in steps)
+        return (Chunk([int(token)], 0, 1) for token, _ in steps)
 
 
 class SpeculativeMethod(Method):
@@ -168,10 +171,10 @@ class SpeculativeMethod(Method):
             for token, _, from_draft in steps:
                 tokens.append(int(token))
                 if not from_draft:
-                    yield tokens, len(tokens) - 1, self.block
+                    yield Chunk(tokens, len(tokens) - 1, self.block)
                     tokens = []
             if tokens:
-                yield tokens, len(tokens) - 1, self.block
+                yield Chunk(tokens, len(tokens) - 1, self.block)
         finally:
             steps.close()
 
@@ -215,7 +218,7 @@ class DFlashMethod(Method):
         with generation:
             for p in generation:
                 # The prefill's token is not a verify pass of the decode loop.
-                yield p.tokens, p.accepted, 0 if p.is_prefill else p.width
+                yield Chunk(p.tokens, p.accepted, 0 if p.is_prefill else p.width)
 
 
 def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: Sequence[int],
