@@ -189,9 +189,16 @@ def serve(
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
     options = dict(locals())
-    from .server import serve_from_cli
+    from . import distributed
 
-    serve_from_cli(**options)
+    if options.pop("pipeline") or distributed.launched():  # under mlx.launch: rank 0 serves, every rank generates
+        from .distributed.serving import serve_from_cli
+
+        serve_from_cli(pipeline=pipeline, **options)
+    else:
+        from .server import serve_from_cli
+
+        serve_from_cli(**options)
 
 
 @app.command()

@@ -4,6 +4,10 @@ One read path serves both `load_drafter` and the converter: find the files, pars
 `DFlashConfig.from_dict`, read the safetensors, rename z-lab keys, and check every tensor against the shapes the
 config implies before a strict load. Every failure is a `DFlashError` whose message says what to do.
 Format: docs/algorithm.md, "Checkpoint formats".
+
+The bottom of the drafter stack: `convert.drafter` (conversion) builds on this module, and `hub` (the cache of
+converted hub drafters, and `open_drafter`, the one entry for a directory or repo id) on both. A repo id given
+here is downloaded raw and converted in memory, never cached.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from tqdm import tqdm
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .validate import read_json
+from .validate import check_safetensors, hub_failure, read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -61,8 +65,6 @@ def resolve_checkpoint(path_or_repo: Union[str, Path], revision: Optional[str] =
     except HFValidationError:
         raise DFlashError(f"'{text}' is neither a local directory nor a valid Hugging Face repo id") from None
     except Exception as e:  # offline, unknown repo or revision, gated repo, HTTP errors: all end the same way
-        from .hub import hub_failure
-
         raise DFlashError(
             f"no local directory '{text}' and could not download it from the Hugging Face Hub: "
             f"{hub_failure(e)}; check the repo id and your network, or pass a local directory"
@@ -106,8 +108,6 @@ def _weight_files(path: Path) -> list:
 def read_weights(path: Path) -> Dict[str, mx.array]:
     """All tensors of a checkpoint directory, with z-lab naming normalized to the drafter's parameter names."""
     weights: Dict[str, mx.array] = {}
-    from .validate import check_safetensors
-
     for file in _weight_files(path):
         check_safetensors(file, fix="delete it and download or convert the drafter again")  # names the file
         try:

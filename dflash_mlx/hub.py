@@ -4,6 +4,9 @@ Converted drafters are cached under `offline_models.home()/drafters/<org>--<name
 download resolved to, so a new upstream revision converts again and an old one is never served by mistake.
 Offline, the newest cached conversion is used; with nothing cached the user gets one line saying so.
 `fetch_target` does the same for a target repo (mlx-lm's file patterns), so an unreachable hub is named as such.
+
+The top of the drafter stack: `drafter_io` (files) < `convert.drafter` (conversion) < this module (download and
+cache). `open_drafter` is the one entry that loads a drafter from a directory or a repo id.
 """
 
 from __future__ import annotations
@@ -11,30 +14,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from .convert.drafter import convert_drafter
+from .drafter import DFlashDrafter
+from .drafter_io import load_drafter
 from .errors import DFlashError
+from .offline_models import home
+from .validate import hub_failure
+
+__all__ = ["cached_drafter", "fetch_target", "hub_failure", "is_repo_id", "open_drafter"]
 
 
 def _drafter_dir(repo: str) -> Path:
-    from .offline_models import home
-
     return home() / "drafters" / repo.replace("/", "--")
-
-
-def hub_failure(e: BaseException) -> str:
-    """Why a hub download failed, in a few words a user can act on."""
-    import os
-
-    text = f"{type(e).__name__}: {e}"
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or "outgoing traffic has been " \
-            "disabled" in text:
-        return "offline mode is on (HF_HUB_OFFLINE) and the files are not in the local cache"
-    if "RepositoryNotFound" in text or "404" in text:
-        return "no such repo, or it is private or gated (log in with 'hf auth login')"
-    if "RevisionNotFound" in text:
-        return "no such revision"
-    if any(k in text for k in ("ConnectError", "Connection refused", "ConnectionError", "Timeout", "resolve")):
-        return "the Hugging Face Hub cannot be reached (check your network, proxy or HF_ENDPOINT)"
-    return (text.strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _snapshot(repo: str, revision: Optional[str], patterns=("*.json", "*.safetensors")) -> Path:
@@ -52,8 +43,6 @@ def _snapshot(repo: str, revision: Optional[str], patterns=("*.json", "*.safeten
 
 def cached_drafter(repo: str, revision: Optional[str] = None) -> Path:
     """A converted MLX copy of the hub drafter `repo`, converting it on first use."""
-    from .convert.drafter import convert_drafter
-
     try:
         snapshot = _snapshot(repo, revision)
     except Exception as e:
@@ -69,6 +58,21 @@ def cached_drafter(repo: str, revision: Optional[str] = None) -> Path:
         print(f"Converting drafter {repo} for MLX (once) -> {out}")
         convert_drafter(str(snapshot), out, force=True)  # our cache: a leftover without config.json is junk
     return out
+
+
+def is_repo_id(ref: str) -> bool:
+    """Whether a drafter reference names a hub repo (`org/name`) rather than a local directory."""
+    path = Path(ref).expanduser()
+    return not (path.exists() or ref.startswith((".", "/", "~")) or ref.count("/") != 1)
+
+
+def open_drafter(ref: str, revision: Optional[str] = None, *, fastest: bool = False) -> DFlashDrafter:
+    """A ready drafter from a converted or z-lab directory, or a hub repo id (converted once into the cache).
+
+    `fastest` as in `drafter_io.load_drafter`. The same as `loading.load` does with `drafter_location`.
+    """
+    source = cached_drafter(ref, revision) if is_repo_id(ref) else ref
+    return load_drafter(source, revision=revision, fastest=fastest)
 
 
 def fetch_target(repo: str, revision: Optional[str] = None) -> Path:

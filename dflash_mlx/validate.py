@@ -4,11 +4,13 @@
   "Unable to read 8 bytes from file" without saying which file).
 - `check_model_dir(path)`: a target folder's config.json and weights files, before mlx-lm reads gigabytes.
 - `prompt_length_warning` / `block_size_warning`: runs that would go on, but not the way the user expects.
+- `hub_failure(e)`: why a Hugging Face Hub download failed, in a few words (every download path words it alike).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -101,3 +103,18 @@ def block_size_warning(requested: Optional[int], drafter_block: Optional[int]) -
         return (f"--block-size {requested} is larger than the drafter's trained block size {drafter_block}; "
                 f"drafts past position {drafter_block} are rarely accepted: use --block-size {drafter_block} or less")
     return None
+
+
+def hub_failure(e: BaseException) -> str:
+    """Why a hub download failed, in a few words a user can act on."""
+    text = f"{type(e).__name__}: {e}"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or "outgoing traffic has been " \
+            "disabled" in text:
+        return "offline mode is on (HF_HUB_OFFLINE) and the files are not in the local cache"
+    if "RepositoryNotFound" in text or "404" in text:
+        return "no such repo, or it is private or gated (log in with 'hf auth login')"
+    if "RevisionNotFound" in text:
+        return "no such revision"
+    if any(k in text for k in ("ConnectError", "Connection refused", "ConnectionError", "Timeout", "resolve")):
+        return "the Hugging Face Hub cannot be reached (check your network, proxy or HF_ENDPOINT)"
+    return (text.strip().splitlines() or [type(e).__name__])[0][:200]

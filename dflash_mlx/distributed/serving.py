@@ -12,6 +12,9 @@ Decisions that only rank 0 can make are shared at the points where every rank as
   state belongs to a thread, and rank 0 generates on its server thread).
 Shutdown reaches every rank as an empty request. Every message is a collective on the engine's stream, so it is
 ordered behind whatever that stream still has in flight, on every rank alike.
+
+This module sits above `dflash_mlx.server`, which knows nothing of ranks: rank 0 serves through the server's
+`serve_loaded`, handing it the target loaded here and a hook that wraps the worker's generator in `Lockstep`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
+from ..server import ServerSettings, serve_loaded, settings_from_cli
+from ..server.generation import GenerationRequest, Generator
 from .group import launched, setup
+from .sharding import load
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -71,9 +77,7 @@ def encode_request(req) -> bytes:
     return json.dumps(body).encode()
 
 
-def decode_request(payload: bytes):
-    from ..server.generation import GenerationRequest
-
+def decode_request(payload: bytes) -> GenerationRequest:
     return GenerationRequest(**json.loads(payload.decode()))
 
 
@@ -139,41 +143,41 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, quant: Optional[str], settings,
-                log_level: str = "info", pipeline: bool = False) -> None:
+def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, quant: Optional[str],
+                settings: ServerSettings, log_level: str = "info", pipeline: bool = False) -> None:
     """`serve` for one rank of a job started by `mlx.launch`: rank 0 listens on host:port, the others follow."""
-    import uvicorn
-
-    from ..server import LOOPBACK, _config, create_app
-    from ..server.generation import Generator
-    from .sharding import load
-
     if not launched():
         raise DFlashError("--pipeline splits a model over several machines: start the command with mlx.launch")
     target, tokenizer, draft = load(model, drafter, quant=quant, pipeline=pipeline)
     group = setup()
-    if settings.model_name == "default":
-        settings.model_name = model
-    if settings.drafter_name is None:
-        settings.drafter_name = drafter or "shipped"
+    settings.name_after(model, drafter)
     if group.rank() != 0:
         follow(Generator(target, tokenizer, draft, block_size=settings.block_size,
                          prompt_cache_bytes=settings.prompt_cache_bytes), group)
         return
-    if host not in LOOPBACK and not settings.api_key:
-        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     # uvicorn re-raises the signal it shut down for once it is done; SIGTERM's default action would end this
     # process before the other ranks are told, so it becomes the same exception as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     worker = None
-    try:
-        app = create_app(target, tokenizer, draft, settings)
+
+    def lockstep(app) -> None:
+        nonlocal worker
         worker = app.state.server.worker
         worker.generator = Lockstep(worker.generator, group)  # before the first request: read for every job
-        uvicorn.Server(_config(app, host, port, log_level)).run()
+
+    try:
+        serve_loaded(target, tokenizer, draft, settings, host=host, port=port, log_level=log_level, on_app=lockstep)
     finally:
         if worker is not None:
             worker.stop()  # a generation still running stops between two passes, on every rank
         mx.synchronize(_stream())
         broadcast_bytes(group, b"")  # the other ranks leave `follow`
         print(f"dflash-mlx serve: stopped {group.size()} ranks", file=sys.stderr)
+
+
+def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
+                   pipeline: bool = False, **options) -> None:
+    """`dflash-mlx serve` under `mlx.launch` (or with --pipeline): the options checked as for one process, then
+    `serve_ranks`."""
+    settings = settings_from_cli(model=model, draft=draft, **options)
+    serve_ranks(model, draft, host=host, port=port, quant=quant, settings=settings, pipeline=pipeline)

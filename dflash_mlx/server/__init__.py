@@ -8,8 +8,12 @@
     running.stop()
 
 Modules: app (routes), schemas (request bodies), prompts (chat templates), worker (queue, one generation at a
-time), generation (the engine), prefix_cache (snapshots across requests), text (stop strings, reasoning and tool
-calls), openai_format / anthropic_format (response bodies), metrics (Prometheus text), errors.
+time), streaming (a job's events for a route), generation (the engine), prefix_cache (snapshots across requests),
+text (stop strings, reasoning and tool calls), openai_format / anthropic_format (response bodies), metrics
+(Prometheus text), errors.
+
+This package knows nothing of several ranks: `dflash_mlx.distributed.serving` sits above it and serves a target
+split over an `mlx.launch` job through `serve_loaded`, wrapping the worker's generator in its `on_app` hook.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+from ..errors import DFlashError
 from .app import ServerSettings, create_app
 
-__all__ = ["ServerSettings", "create_app", "serve", "serve_from_cli", "start_in_thread", "RunningServer"]
+__all__ = ["ServerSettings", "create_app", "serve", "serve_from_cli", "serve_loaded", "settings_from_cli",
+           "start_in_thread", "RunningServer"]
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -85,30 +91,32 @@ def start_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str 
     return RunningServer(host, port, server, thread)
 
 
-def serve(model: str, drafter: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
-          quant: Optional[str] = None, settings: Optional[ServerSettings] = None, log_level: str = "info",
-          pipeline: bool = False) -> None:
-    """Load a target and drafter with `dflash_mlx.load` and serve them until interrupted."""
+def serve_loaded(target, tokenizer, drafter, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8080,
+                 log_level: str = "info", on_app: Optional[Callable] = None) -> None:
+    """Serve an already loaded pair on host:port until interrupted.
+
+    `on_app(app)` runs once the app exists and before it takes a request: the place a caller adjusts it
+    (`dflash_mlx.distributed.serving` wraps the worker's generator so that every rank generates in lockstep).
+    """
     import uvicorn
 
-    from ..api import load
-    from ..distributed import launched
-
-    settings = settings or ServerSettings()
-    if pipeline or launched():  # under mlx.launch: rank 0 serves, every rank generates (docs/distributed.md)
-        from ..distributed.serving import serve_ranks
-
-        return serve_ranks(model, drafter, host=host, port=port, quant=quant, settings=settings,
-                           log_level=log_level, pipeline=pipeline)
     if host not in LOOPBACK and not settings.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
-    target, tokenizer, draft = load(model, drafter, quant=quant)
-    if settings.model_name == "default":
-        settings.model_name = model
-    if settings.drafter_name is None:
-        settings.drafter_name = drafter or "shipped"
-    app = create_app(target, tokenizer, draft, settings)
+    app = create_app(target, tokenizer, drafter, settings)
+    if on_app is not None:
+        on_app(app)
     uvicorn.Server(_config(app, host, port, log_level)).run()
+
+
+def serve(model: str, drafter: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
+          quant: Optional[str] = None, settings: Optional[ServerSettings] = None, log_level: str = "info") -> None:
+    """Load a target and drafter with `dflash_mlx.load` and serve them until interrupted (one process; under
+    `mlx.launch`, `dflash_mlx.distributed.serving.serve_ranks` splits the target over the ranks)."""
+    from ..api import load
+
+    settings = (settings or ServerSettings()).name_after(model, drafter)
+    target, tokenizer, draft = load(model, drafter, quant=quant)
+    serve_loaded(target, tokenizer, draft, settings, host=host, port=port, log_level=log_level)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -117,8 +125,6 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_bytes(text: str) -> int:
     """'2GiB', '500M', '1e9' or '0' -> bytes."""
-    from ..errors import DFlashError
-
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     try:
@@ -129,13 +135,10 @@ def parse_bytes(text: str) -> int:
         raise DFlashError(f"--prompt-cache-bytes {text!r} is not a size: give bytes, e.g. 2GiB, 500M or 0") from None
 
 
-def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
-                   api_key: Optional[str], max_queue: int, prompt_cache_bytes: str, block_size: Optional[int],
-                   max_tokens: int, temp: float, chat_template_args: Optional[str],
-                   served_model_name: Optional[str], pipeline: bool = False) -> None:
-    """`dflash-mlx serve`: check every option before loading the model, then serve."""
-    from ..errors import DFlashError
-
+def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str], max_queue: int,
+                      prompt_cache_bytes: str, block_size: Optional[int], max_tokens: int, temp: float,
+                      chat_template_args: Optional[str], served_model_name: Optional[str]) -> ServerSettings:
+    """The `dflash-mlx serve` options as settings, every one checked before any model is loaded."""
     template_args = None
     if chat_template_args:
         try:
@@ -144,8 +147,15 @@ def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], ho
             raise DFlashError(f"--chat-template-args is not JSON: {e}") from None
         if not isinstance(template_args, dict):
             raise DFlashError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    settings = ServerSettings(model_name=served_model_name or model, drafter_name=draft, api_key=api_key,
-                              max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
-                              block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
-                              chat_template_kwargs=template_args)
-    serve(model, draft, host=host, port=port, quant=quant, settings=settings, pipeline=pipeline)
+    return ServerSettings(model_name=served_model_name or model, drafter_name=draft, api_key=api_key,
+                          max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
+                          block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
+                          chat_template_kwargs=template_args)
+
+
+def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
+                   **options) -> None:
+    """`dflash-mlx serve` in one process: check every option (`settings_from_cli`) before loading the model, then
+    serve."""
+    settings = settings_from_cli(model=model, draft=draft, **options)
+    serve(model, draft, host=host, port=port, quant=quant, settings=settings)

@@ -16,6 +16,7 @@ from .errors import APIError
 from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .schemas import AnthropicCountRequest, AnthropicRequest
+from .streaming import collect, first_event
 from .text import OutputRouter, router_for
 from .tools import anthropic_tool_choice
 from .worker import Job
@@ -175,8 +176,6 @@ def _template_kwargs(server, body) -> Dict[str, Any]:
 
 
 def add_routes(app, server, authorize) -> None:
-    from .app import _collect, _first_event
-
     @app.post("/v1/messages", dependencies=[Depends(authorize)])
     async def messages(body: AnthropicRequest, request: Request):
         server.check_model(body.model)
@@ -190,11 +189,11 @@ def add_routes(app, server, authorize) -> None:
                                                            list(body.stop_sequences or [])))
         router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
         fmt = MessagesFormatter(server.settings.model_name, router, len(prompt.tokens))
-        event = await _first_event(job, request)
+        event = await first_event(job, request)
         if event is None:
             return Response(status_code=499)
         if not body.stream:
-            outcome = await _collect(job, request, event, fmt.events)
+            outcome = await collect(job, request, event, fmt.events)
             return Response(status_code=499) if outcome is None else JSONResponse(fmt.response(outcome))
 
         async def lines():

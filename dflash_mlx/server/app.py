@@ -23,9 +23,10 @@ from .generation import GenerationRequest, Generator, Outcome
 from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .streaming import collect, first_event
 from .text import router_for
 from .tools import openai_tool_choice
-from .worker import ClientGone, Job, QueueFull, Worker
+from .worker import Job, QueueFull, Worker
 
 
 @dataclass
@@ -42,6 +43,14 @@ class ServerSettings:
     context_length: Optional[int] = None  # default: the target's max_position_embeddings
     temperature: float = 0.0  # when a request sets none (OpenAI's own default is 1.0)
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    def name_after(self, model: str, drafter: Optional[str]) -> "ServerSettings":
+        """Fill the names /v1/models reports from the command's target and drafter, where none was set."""
+        if self.model_name == "default":
+            self.model_name = model
+        if self.drafter_name is None:
+            self.drafter_name = drafter or "shipped"
+        return self
 
 
 def context_length_of(model) -> Optional[int]:
@@ -142,34 +151,12 @@ def _sse(data: Dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _first_event(job: Job, request: Request):
-    """Wait for the prefill (so errors still get a status code); None if the client left meanwhile."""
-    try:
-        return await job.next(request)
-    except ClientGone:
-        return None
-    except DFlashError as e:
-        raise APIError(400, str(e)) from e
-
-
-async def _collect(job: Job, request: Request, event, consume) -> Optional[Outcome]:
-    """Feed `event` and the job's next ones to `consume` until its Outcome (a whole, non-streamed reply);
-    None if the client left meanwhile."""
-    while not isinstance(event, Outcome):
-        consume(event)
-        try:
-            event = await job.next(request)
-        except ClientGone:
-            return None
-    return event
-
-
 async def respond_openai(request: Request, job: Job, fmt, stream: bool) -> Response:
-    event = await _first_event(job, request)
+    event = await first_event(job, request)
     if event is None:
         return Response(status_code=499)
     if not stream:
-        outcome = await _collect(job, request, event, fmt.add)
+        outcome = await collect(job, request, event, fmt.add)
         return Response(status_code=499) if outcome is None else JSONResponse(fmt.response(outcome))
 
     async def lines():
