@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ..engine import DecodeState, prefill
 from ..generation import Generation
 from ..loading import prepare
 from ..stats import AcceptanceStats
+from ..targets.caches import can_trim
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .text import StopMatcher
 from .tokenizer_lock import tokenizer_lock
@@ -106,7 +106,7 @@ class Generator:
         # Held while detokenizing: the HTTP handlers encode prompts with the same tokenizer on their own thread.
         self.tokenizer_lock = tokenizer_lock(tokenizer)
         caches = self.target.make_cache() + (drafter.make_cache() if drafter is not None else [])
-        self.cuttable = all(type(c) is KVCache for c in caches)
+        self.cuttable = all(can_trim(c) for c in caches)
 
     @property
     def plain(self) -> bool:

@@ -2,79 +2,49 @@
 
 An entry holds the caches after some token sequence was run through the target (its key). A new prompt reuses the
 entry that covers the longest prefix of it, so only the rest is prefilled:
-- attention caches (mlx-lm `KVCache`) can be cut back to any prefix, so an entry serves every prompt that shares
-  any prefix with its key;
+- caches that can be cut back to any length (`can_trim`: mlx-lm's `KVCache`) serve every prompt that shares any
+  prefix with the entry's key;
 - recurrent layers (GatedDeltaNet) and sliding windows cannot be cut back, so such entries serve only prompts that
   extend their whole key. The server stores those at message boundaries and at the end of every request.
 
-Frozen caches never share a mutable container with a live cache. A frozen `KVCache` holds a slice of the live
-buffer: MLX arrays are values, so a later in-place write into the live cache gives it a new buffer rather than
-change the slice (the shared buffer cannot be donated). Nothing is copied when a request ends; the slice keeps the
-whole buffer alive, and that is what the budget counts. Other caches are shallow copies of immutable arrays.
+Caches are handled only through mlx-lm's cache protocol (`dflash_mlx.targets.caches`): a snapshot holds
+`copy_cache` copies, is cut back with `trim`, and is charged the live caches' `nbytes`. A copy never shares a
+mutable container with the live cache; its arrays are new array objects over the same buffers (MLX arrays are
+values: a later in-place write into the live cache gives it a new buffer rather than change the copy, since the
+shared buffer cannot be donated). Nothing is copied when a request ends; the copy keeps the whole buffer alive,
+and that is what the budget counts.
+
+Why not mlx-lm's `LRUPromptCache` (mlx_lm.models.cache, 0.32): it trims every cache of an entry by the same
+number of tokens (`trim_prompt_cache`) and charges only `c.nbytes` of caches, so an entry cannot carry target
+features still pending for the drafter, whose caches cover fewer tokens than the target's. It takes
+`is_trimmable()` as "can be cut to any prefix": our rollback caches answer True (they drop their newest write),
+so inserting a hybrid entry drops the shorter message-boundary entries on its path as redundant, and a prompt that
+branches before the last write then fails (qwen3_5, key written in two steps of 6, prompt sharing 4 tokens:
+DFlashError "cannot roll back 8 tokens"). An exact hit returns no token to prefill, which an entry that cannot be
+cut back cannot serve (we need the logits of the prompt's last token), and it offers no shorter entry instead;
+ours looks up at most `limit` tokens. Its copies (`copy.deepcopy`) cost no more than ours (MLX arrays share
+buffers), so that is no reason either way.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
-from ..targets.hybrid import GatedDeltaCache
-
-
-def _cuttable(cache: Any) -> bool:
-    """Whether a frozen copy of this cache can be restored at any shorter length."""
-    return type(cache) is KVCache
+from ..targets.caches import can_trim, copy_cache
 
 
-def _freeze(cache: Any) -> Any:
-    if _cuttable(cache):
-        frozen = KVCache()
-        if cache.keys is not None:
-            frozen.keys = cache.keys[..., : cache.offset, :]
-            frozen.values = cache.values[..., : cache.offset, :]
-        frozen.offset = cache.offset
-        return frozen
-    return _copy(cache)
-
-
-def _copy(cache: Any) -> Any:
-    twin = copy.copy(cache)
-    for name, value in vars(twin).items():
-        if isinstance(value, list):  # ArraysCache keeps its arrays in a list it assigns into
-            setattr(twin, name, list(value))
-    if isinstance(twin, GatedDeltaCache):
-        twin.record(None)  # the rollback record belongs to the live cache's last verify pass
-    return twin
-
-
-def _thaw(frozen: Any, length: int) -> Any:
-    """A live cache equal to `frozen` cut back to its first `length` tokens (exactly its length if not cuttable)."""
-    if not _cuttable(frozen):
-        return _copy(frozen)
-    live = KVCache()
-    if frozen.keys is not None and length > 0:
-        # New array objects: a later in-place write into the live cache must not reach the frozen one.
-        live.keys = frozen.keys[..., :length, :]
-        live.values = frozen.values[..., :length, :]
-        live.offset = length
+def _thaw(frozen: Any, held: int, length: int) -> Any:
+    """A live cache equal to `frozen` (which holds `held` tokens) cut back to its first `length` tokens."""
+    live = copy_cache(frozen)
+    if length < held:
+        if not can_trim(frozen):
+            raise ValueError(f"a {type(frozen).__name__} holding {held} tokens cannot be cut to {length}")
+        live.trim(held - length)
     return live
-
-
-def _arrays(cache: Any) -> List[mx.array]:
-    if isinstance(cache, KVCache):
-        return [a for a in (cache.keys, cache.values) if a is not None]
-    out = []
-    for value in vars(cache).values():
-        if isinstance(value, mx.array):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, mx.array))
-    return out
 
 
 @dataclass
@@ -93,24 +63,23 @@ class Snapshot:
     def take(cls, target_cache: Sequence[Any], draft_cache: Optional[Sequence[Any]],
              pending: Optional[mx.array], length: int) -> "Snapshot":
         live = list(target_cache) + list(draft_cache or [])
-        held = [a for c in live for a in _arrays(c)] + ([pending] if pending is not None else [])
-        target = [_freeze(c) for c in target_cache]
-        draft = None if draft_cache is None else [_freeze(c) for c in draft_cache]
-        arrays = [a for c in target + (draft or []) for a in _arrays(c)]
-        mx.eval(arrays, pending if pending is not None else [])
-        cuttable = all(_cuttable(c) for c in target + (draft or []))
-        return cls(target, draft, pending, length, sum(a.nbytes for a in held), cuttable)
+        nbytes = sum(c.nbytes for c in live) + (pending.nbytes if pending is not None else 0)
+        target = [copy_cache(c) for c in target_cache]
+        draft = None if draft_cache is None else [copy_cache(c) for c in draft_cache]
+        mx.eval([c.state for c in target + (draft or [])], pending if pending is not None else [])
+        cuttable = all(can_trim(c) for c in target + (draft or []))
+        return cls(target, draft, pending, length, nbytes, cuttable)
 
     def restore(self, length: int) -> Tuple[List[Any], Optional[List[Any]], Optional[mx.array]]:
         """Live (target caches, draft caches, pending features) after the first `length` tokens of the key."""
         if length != self.length and not self.cuttable:
             raise ValueError(f"this snapshot holds {self.length} tokens and cannot be cut to {length}")
-        target = [_thaw(c, length) for c in self.target]
+        target = [_thaw(c, self.length, length) for c in self.target]
         if self.draft is None:
             return target, None, None
         n_pending = 0 if self.pending is None else self.pending.shape[1]
-        in_draft = min(self.length - n_pending, length)
-        draft = [_thaw(c, in_draft) for c in self.draft]
+        in_draft = self.length - n_pending
+        draft = [_thaw(c, in_draft, min(in_draft, length)) for c in self.draft]
         pending = None
         if length > in_draft:
             pending = self.pending[:, : length - in_draft]

@@ -15,7 +15,7 @@ and replays only the kept steps' state updates; other schemes subclass `Recurren
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,6 +98,10 @@ class GatedDeltaCache(ArraysCache):
 
     `trim(n)` drops the newest n tokens of that write exactly, so the cache is trimmable like a KV cache. It works
     with mlx-lm's own model call too (the call just does not record, and a later trim says so).
+
+    mlx-lm's cache protocol: `state` is `ArraysCache`'s (the two states, left padding, lengths), which after a trim
+    already are the kept prefix's; `meta_state` names the rollback scheme. The record is scratch for one rollback:
+    `state`, `nbytes`, `copy` and a reloaded cache leave it out, so those can only roll back their next write.
     """
 
     def __init__(self, rollback: Optional[RecurrentRollback] = None):
@@ -109,6 +113,30 @@ class GatedDeltaCache(ArraysCache):
     def record(self, write: Optional[GDNWrite]) -> None:
         self.last_write = write
         self._after = self.cache[1]
+
+    @property
+    def meta_state(self):
+        return (self.rollback.name,)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.rollback = rollback_named(v[0]) if v else default_rollback()
+
+    @classmethod
+    def from_state(cls, state, meta_state: Optional[Sequence[str]] = None) -> "GatedDeltaCache":
+        obj = cls(rollback_named(meta_state[0]) if meta_state else default_rollback())
+        obj.state = state
+        obj.record(None)
+        return obj
+
+    def copy(self) -> "GatedDeltaCache":
+        """An independent cache without the record (which belongs to this cache's last write)."""
+        twin = type(self)(self.rollback)
+        # Fresh array objects: an in-place store into one cache's array must not reach the other's.
+        fresh = [None if a is None else a[...] for a in (self.left_padding, self.lengths)]
+        twin.state = ([None if a is None else a[...] for a in self.cache], *fresh)
+        twin.record(None)
+        return twin
 
     def is_trimmable(self) -> bool:
         return True
@@ -237,3 +265,11 @@ class TapeRollback(RecurrentRollback):
 def default_rollback() -> RecurrentRollback:
     """The tape where Metal kernels run; elsewhere the replay, so nothing changes on the CPU backend."""
     return TapeRollback() if metal_available() else ReplayRollback()
+
+
+def rollback_named(name: str) -> RecurrentRollback:
+    """The built-in scheme called `name` (as `meta_state` records it); `default_rollback()` for any other name."""
+    for scheme in (ReplayRollback, TapeRollback):
+        if scheme.name == name:
+            return scheme()
+    return default_rollback()

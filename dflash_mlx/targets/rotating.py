@@ -6,9 +6,17 @@ its buffer in temporal order instead: the `max_size - 1` tokens before the newes
 That is exactly what the write's queries attend to, so (a) any suffix of the newest write can be dropped and the
 next write still sees a full window, and (b) mlx-lm's own `make_mask` (inherited) stays exact, for verify blocks
 and single-token steps alike. The price is one copy of the window per write instead of an in-place ring store.
+
+It keeps mlx-lm's cache protocol: `state` is mlx-lm's `RotatingKVCache` tuple (keys, values, offset, keep,
+max_size, idx) holding exactly the live rows (`trim` only moves `_idx`, so rows it dropped stay in the buffer until
+the next write; `state` leaves them out), `meta_state` the scalars as strings (the older mlx-lm convention),
+`from_state`, `copy`, `nbytes` (the buffer, dropped rows included: that is the memory held). Saving and loading
+go through `dflash_mlx.targets.caches`, since mlx-lm's loader only knows its own class names.
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
@@ -44,6 +52,46 @@ class WindowKVCache(RotatingKVCache):
 
     def keys_and_values(self):
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    @property
+    def state(self):
+        keys, values = self.keys, self.values
+        if keys is not None and self._idx < keys.shape[2]:  # rows a trim dropped: leave them out
+            keys, values = self.keys_and_values()
+        return keys, values, self.offset, self.keep, self.max_size, self._idx
+
+    @state.setter
+    def state(self, v):
+        keys, values, offset, keep, max_size, idx = v
+        if keep:
+            raise ValueError("WindowKVCache does not support keep > 0")
+        if keys is not None and keys.shape[2] != idx:
+            raise ValueError(f"WindowKVCache state holds {keys.shape[2]} rows but says {idx} are live")
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+
+    @property
+    def meta_state(self):
+        return tuple(str(x) for x in (self.keep, self.max_size, self.offset, self._idx))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.keep, self.max_size, self.offset, self._idx = (int(x) for x in v)
+
+    @classmethod
+    def from_state(cls, state, meta_state: Optional[Sequence[str]] = None) -> "WindowKVCache":
+        obj = cls.__new__(cls)
+        obj.state = state
+        if meta_state:
+            obj.meta_state = meta_state
+        return obj
+
+    def copy(self) -> "WindowKVCache":
+        """An independent cache: new array objects over the live rows (an in-place store into an array object
+        would reach every holder of that object)."""
+        keys, values, *scalars = self.state
+        if keys is not None:
+            keys, values = keys[...], values[...]
+        return type(self).from_state((keys, values, *scalars))
 
     def is_trimmable(self) -> bool:
         return True
