@@ -19,11 +19,10 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
+from dflash_mlx.dtypes import dtype_name
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.io_safety import check_output_dir, output_dir
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
 
 # ggml types we convert, all dequantized by `gguf.quants` (tests/test_gguf.py: Q4_K and Q6_K against an
 # independent decoder, the others against numpy round trips); anything else fails with one clear line.
@@ -335,9 +334,7 @@ def convert_gguf(
     import mlx.core as mx
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
-    if dtype not in DTYPES:
-        raise DFlashError(f"unsupported dtype '{dtype}'; choose fp32, bf16 or fp16")
-    dtype = DTYPES[dtype]
+    dtype = dtype_name(dtype)
     if q_bits is not None and q_bits not in (4, 8):
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
     if q_bits is not None and q_group_size not in (32, 64, 128):

@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Optional, Union
 
+from dflash_mlx.dtypes import dtype_name
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.io_safety import check_output_dir, output_dir
+from dflash_mlx.refs import is_repo_id
 
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}
 
 
 def convert_target(
@@ -48,8 +48,7 @@ def convert_target(
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
     if q_group_size not in (32, 64, 128):
         raise DFlashError(f"--q-group-size must be 32, 64 or 128, got {q_group_size}")
-    if dtype is not None and dtype not in DTYPES:
-        raise DFlashError(f"unsupported dtype '{dtype}'; choose fp32, bf16 or fp16")
+    dtype = dtype_name(dtype) if dtype is not None else None
     if q_bits is None and dtype is None:
         raise DFlashError("nothing to do: give --q-bits 4|8 and/or --dtype fp32|bf16|fp16")
     out = check_output_dir(out, force)
@@ -66,14 +65,14 @@ def convert_target(
             raise DFlashError(f"target '{source}' is already quantized; convert from the unquantized model")
         if out.resolve() == local.resolve():
             raise DFlashError("the output directory is the source directory; choose another one")
-    elif source.startswith((".", "/", "~")) or source.count("/") != 1:
+    elif not is_repo_id(source):
         raise DFlashError(f"target '{source}' not found: give a local model directory or a hub repo id (org/name)")
 
     with output_dir(out, force) as tmp:
         tmp.rmdir()  # mlx-lm's converter creates its output folder itself and refuses an existing one
         try:
             mlx_lm_convert(str(local) if local.exists() else source, str(tmp), quantize=q_bits is not None,
-                           q_group_size=q_group_size, q_bits=q_bits, dtype=DTYPES.get(dtype), revision=revision)
+                           q_group_size=q_group_size, q_bits=q_bits, dtype=dtype, revision=revision)
         except (ValueError, FileNotFoundError) as e:
             raise DFlashError(f"mlx-lm could not convert '{source}': {' '.join(str(e).split())}") from None
         except OSError:

@@ -26,14 +26,15 @@ from tqdm import tqdm
 
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
+from .dtypes import mx_dtype
 from .errors import DFlashError
+from .refs import is_repo_id
 from .validate import check_safetensors, hub_failure, read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
 
@@ -55,7 +56,7 @@ def resolve_checkpoint(path_or_repo: Union[str, Path], revision: Optional[str] =
             raise DFlashError(f"drafter path '{path}' is a file; pass the directory that holds config.json")
         return path
     text = str(path_or_repo)
-    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text:
+    if not is_repo_id(text):
         raise DFlashError(f"drafter directory '{text}' does not exist")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
@@ -269,9 +270,7 @@ def load_drafter(path_or_repo: Union[str, Path], *, revision: Optional[str] = No
 
 # -- writing ----------------------------------------------------------------------------------------------------
 def parse_dtype(name: str) -> mx.Dtype:
-    if name not in DTYPES:
-        raise DFlashError(f"unsupported dtype '{name}'; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return mx_dtype(name)
 
 
 def _tensor_bytes(a: mx.array) -> bytes:

@@ -19,6 +19,7 @@ from .drafter import DFlashDrafter
 from .drafter_io import load_drafter
 from .errors import DFlashError
 from .offline_models import home
+from .refs import is_repo_id
 from .validate import hub_failure
 
 __all__ = ["cached_drafter", "fetch_target", "hub_failure", "is_repo_id", "open_drafter"]
@@ -58,12 +59,6 @@ def cached_drafter(repo: str, revision: Optional[str] = None) -> Path:
         print(f"Converting drafter {repo} for MLX (once) -> {out}")
         convert_drafter(str(snapshot), out, force=True)  # our cache: a leftover without config.json is junk
     return out
-
-
-def is_repo_id(ref: str) -> bool:
-    """Whether a drafter reference names a hub repo (`org/name`) rather than a local directory."""
-    path = Path(ref).expanduser()
-    return not (path.exists() or ref.startswith((".", "/", "~")) or ref.count("/") != 1)
 
 
 def open_drafter(ref: str, revision: Optional[str] = None, *, fastest: bool = False) -> DFlashDrafter:

@@ -36,6 +36,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import typer
 
+from .dtypes import dtype_name
 from .errors import DFlashError
 
 
@@ -138,11 +139,7 @@ def model_dir(model: OfflineModel, dtype: str = "float32", q_bits: Optional[int]
 
 
 def _dtype(dtype: str) -> str:
-    from .convert.gguf import DTYPES
-
-    if dtype not in DTYPES:
-        raise DFlashError(f"unsupported dtype '{dtype}'; choose fp32, bf16 or fp16")
-    return DTYPES[dtype]
+    return dtype_name(dtype)
 
 
 def is_installed(name: str, dtype: str = "float32", q_bits: Optional[int] = None, q_group_size: int = 64) -> bool:
