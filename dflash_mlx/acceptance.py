@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from .errors import DFlashError
-from .sampling import LogitsProcessor, SamplingParams, log_distribution, process_rows
+from .sampling import LogitsProcessor, SamplingParams, check_seed, log_distribution, process_rows
 
 
 class Acceptor(Protocol):
@@ -250,6 +250,7 @@ def make_acceptor(
     """
     if repetition_penalty is not None and not repetition_penalty > 0:
         raise DFlashError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    check_seed(seed, "seed")
     processors = list(make_logits_processors(repetition_penalty=repetition_penalty,
                                              repetition_context_size=repetition_context_size))
     processors += list(logits_processors or [])

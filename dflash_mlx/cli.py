@@ -53,16 +53,40 @@ DRAFT_HELP = ("DFlash drafter: converted dir, z-lab checkpoint dir or hub repo i
 QUANT_HELP = "Which MLX conversion of a registry model: bf16, 8bit, 4bit (default: chosen per size)."
 
 
+def _check_text(text: str, flag: str) -> None:
+    """Text from the command line must be UTF-8: Python keeps undecodable bytes as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DFlashError(f"{flag} is not valid UTF-8 (character {e.start}); pass UTF-8 text") from None
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"--prompt -: standard input is not valid UTF-8 (byte {e.start}); convert the text to "
+                          "UTF-8 first") from None
+
+
 def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bool) -> list:
     """Apply the chat template the way `mlx_lm.generate` does, then encode."""
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = _read_stdin()
+    _check_text(prompt, "--prompt")
+    if system is not None:
+        _check_text(system, "--system-prompt")
     use_template = use_template and tokenizer.has_chat_template
     if use_template:
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template that does not compile, or raises on these messages
+            raise DFlashError(f"the model's chat template failed: {' '.join(str(e).split())}; fix the template "
+                              "or pass --ignore-chat-template") from None
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
 
 
@@ -107,12 +131,17 @@ def generate(
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
     from . import console
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, check_seed
     from .validate import check_max_tokens
 
     check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
+    check_seed(seed)
+    if prompt != "-":
+        _check_text(prompt, "--prompt")
+    if system_prompt is not None:
+        _check_text(system_prompt, "--system-prompt")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     console.warn_before_run(target, drafter, len(ids), block_size)
@@ -147,12 +176,15 @@ def chat(
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
     from . import console
     from .chat import ChatSession, run_repl
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, check_seed
     from .validate import check_max_tokens
 
     check_max_tokens(max_tokens)
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)
+    check_seed(seed)
+    if system_prompt is not None:
+        _check_text(system_prompt, "--system-prompt")
     if history is not None and not history.expanduser().is_file():
         raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)

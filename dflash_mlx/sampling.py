@@ -19,6 +19,17 @@ from .errors import DFlashError
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
+MAX_SEED = 2**64 - 1  # MLX takes seeds as unsigned 64-bit integers
+
+
+def check_seed(seed, what: str = "--seed") -> None:
+    """One clear error for a seed MLX cannot take (instead of its pybind message or an overflow later)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise DFlashError(f"{what} must be an integer from 0 to 2**64-1, got {seed!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """mlx-lm's `make_sampler` options (same names, same meaning, same "off" values).

@@ -89,6 +89,9 @@ def read_jsonl(path: Path, id_field: Optional[str] = None) -> List[Prompt]:
                 prompts.append(Prompt(str(ident), text))
     except OSError as e:
         raise DFlashError(f"cannot read prompts from {path}: {e}") from e
+    except UnicodeDecodeError as e:  # a binary file given as --prompts
+        raise DFlashError(f"{path} is not UTF-8 text (byte {e.start}); --prompts takes a .jsonl file of "
+                          "prompts") from None
     return prompts
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -16,6 +17,7 @@ import mlx.core as mx
 
 from ..distributed import bench as ranks
 from ..errors import DFlashError
+from ..sampling import check_seed
 from ..loading import load_target, prepare, resolve_target, shipped_drafter_for
 from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, draft_costs, verify_costs
 from .prompts import encode_prompt, load_prompts
@@ -62,12 +64,29 @@ class BenchConfig:
             raise DFlashError("--block-size and --num-draft values must be positive")
         if not self.temp >= 0:
             raise DFlashError(f"--temp must be >= 0, got {self.temp}")
+        # Prompt i runs with seed + i: the last one must still be a seed MLX takes.
+        check_seed(self.seed)
+        check_seed(self.seed + (self.num_prompts or 1) - 1, f"--seed {self.seed} + the prompt index")
+        if self.out:
+            check_out_dir(Path(self.out).expanduser())
         if self.draft is None:
             self.draft = shipped_drafter_for(self.model)
         if self.draft is None and self.ar_draft is None and not self.oracle:
             raise DFlashError("nothing to compare with plain decoding: give --draft, --ar-draft or --oracle")
         if self.random_draft and self.draft is None:
             raise DFlashError("--random-draft copies the shape of a drafter: give --draft too")
+
+
+def check_out_dir(out: Path) -> None:
+    """--out must be a folder the report can be written into: found out before a run of many minutes, not after."""
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"--out {out} is a file; give a folder for bench.json and bench.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise DFlashError(f"--out {out} cannot be written ({e.strerror or e}); choose another folder") from None
 
 
 def _load_ar_draft(name: str):
@@ -179,7 +198,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     report["environment"] = _environment()
     if cfg.out:
         out = Path(cfg.out).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)  # checked writable before the run (BenchConfig)
         report["files"] = {"json": str(out / "bench.json")}
         chart = write_chart(report, out / "bench.png")
         if chart:
