@@ -204,7 +204,7 @@ def serve(
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
     quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or x-api-key)."),
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Waiting requests beyond this get a 503."),
     prompt_cache_bytes: str = typer.Option("2GiB", "--prompt-cache-bytes", help="Prefix cache budget: bytes, or "

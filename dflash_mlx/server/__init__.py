@@ -12,12 +12,19 @@ time), streaming (a job's events for a route), generation (the engine), prefix_c
 text (stop strings, reasoning and tool calls), openai_format / anthropic_format (response bodies), metrics
 (Prometheus text), errors.
 
+Shutdown (Ctrl-C, SIGTERM, `RunningServer.stop`): uvicorn stops accepting, then waits for the responses in flight;
+`_Server` first tells the app, whose running generation stops at its next verify pass, so a stream ends with a
+final chunk (finish_reason "stop" for OpenAI clients, "cancelled" in its dflash field) and [DONE], within the
+5 s uvicorn grants before it cancels what is left. `dflash-mlx serve` checks --host/--port by binding them
+(`check_address`) before it spends minutes loading the model.
+
 This package knows nothing of several ranks: `dflash_mlx.distributed.serving` sits above it and serves a target
 split over an `mlx.launch` job through `serve_loaded`, wrapping the worker's generator in its `on_app` hook.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -30,8 +37,8 @@ from typing import Callable, Optional
 from ..errors import DFlashError
 from .app import ServerSettings, create_app
 
-__all__ = ["ServerSettings", "create_app", "serve", "serve_from_cli", "serve_loaded", "settings_from_cli",
-           "start_in_thread", "RunningServer"]
+__all__ = ["ServerSettings", "check_address", "create_app", "serve", "serve_from_cli", "serve_loaded",
+           "settings_from_cli", "start_in_thread", "RunningServer"]
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -61,6 +68,45 @@ class RunningServer:
         self._thread.join(timeout)
 
 
+def _uvicorn_server(config):
+    """A uvicorn server that tells the app when it starts shutting down: uvicorn waits for the responses in flight
+    before the app's lifespan hears of it, and a stream that has thousands of tokens to go would be cancelled mid-way
+    (a CancelledError traceback, no finish_reason, no [DONE])."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, *args, **kwargs):
+            server = getattr(getattr(self.config.app, "state", None), "server", None)
+            if server is not None and hasattr(server, "begin_shutdown"):
+                server.begin_shutdown()
+            await super().shutdown(*args, **kwargs)
+
+    return _Server(config)
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind every address uvicorn will bind for host:port (with SO_REUSEADDR, as it does) and let go at once: a port
+    in use or a host this machine cannot listen on is one error now rather than after the model has loaded."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise DFlashError(f"--host {host!r} is not an address of this machine ({getattr(e, 'strerror', None) or e}); "
+                          "use e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds "::" beside 0.0.0.0
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise DFlashError(f"port {port} on {host} is already in use (another server?): stop it or pick "
+                                      "another --port") from None
+                raise DFlashError(f"cannot listen on {host}:{port}: {e.strerror or e}; check --host (an address of "
+                                  "this machine) and --port (below 1024 needs privileges)") from None
+
+
 def _config(app, host: str, port: int, log_level: str):
     import uvicorn
 
@@ -70,14 +116,12 @@ def _config(app, host: str, port: int, log_level: str):
 
 def start_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> RunningServer:
     """Serve `app` from a background thread (port 0: a free one); returns once it accepts connections."""
-    import uvicorn
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(_config(app, host, port, log_level))
+    server = _uvicorn_server(_config(app, host, port, log_level))
     server.install_signal_handlers = lambda: None  # not the main thread
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dflash-http", daemon=True)
     thread.start()
@@ -98,14 +142,12 @@ def serve_loaded(target, tokenizer, drafter, settings: ServerSettings, *, host: 
     `on_app(app)` runs once the app exists and before it takes a request: the place a caller adjusts it
     (`dflash_mlx.distributed.serving` wraps the worker's generator so that every rank generates in lockstep).
     """
-    import uvicorn
-
     if host not in LOOPBACK and not settings.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     app = create_app(target, tokenizer, drafter, settings)
     if on_app is not None:
         on_app(app)
-    uvicorn.Server(_config(app, host, port, log_level)).run()
+    _uvicorn_server(_config(app, host, port, log_level)).run()
 
 
 def serve(model: str, drafter: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
@@ -155,7 +197,8 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
                    **options) -> None:
-    """`dflash-mlx serve` in one process: check every option (`settings_from_cli`) before loading the model, then
-    serve."""
+    """`dflash-mlx serve` in one process: check every option (`settings_from_cli`, `check_address`) before loading
+    the model, then serve."""
     settings = settings_from_cli(model=model, draft=draft, **options)
+    check_address(host, port)
     serve(model, draft, host=host, port=port, quant=quant, settings=settings)

@@ -178,13 +178,13 @@ def _template_kwargs(server, body) -> Dict[str, Any]:
 def add_routes(app, server, authorize) -> None:
     @app.post("/v1/messages", dependencies=[Depends(authorize)])
     async def messages(body: AnthropicRequest, request: Request):
+        server.check_body(body)
         server.check_model(body.model)
         tools = openai_tools(body.tools)
         choice = anthropic_tool_choice(body.tool_choice, tools)
         if choice.mode == "none":
             tools = None
-        prompt = prompts.chat_prompt(server.tokenizer, chat_messages(body), tools, _template_kwargs(server, body),
-                                     choice)
+        prompt = await server.chat_prompt(chat_messages(body), tools, _template_kwargs(server, body), choice)
         job: Job = server.submit(server.generation_request(prompt, body, body.max_tokens,
                                                            list(body.stop_sequences or [])))
         router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
@@ -216,7 +216,8 @@ def add_routes(app, server, authorize) -> None:
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
     async def count_tokens(body: AnthropicCountRequest):
+        server.check_body(body)
         server.check_model(body.model)
-        prompt = prompts.chat_prompt(server.tokenizer, chat_messages(body), openai_tools(body.tools),
-                                     _template_kwargs(server, body))
+        prompt = await server.chat_prompt(chat_messages(body), openai_tools(body.tools),
+                                          _template_kwargs(server, body))
         return {"input_tokens": len(prompt.tokens)}

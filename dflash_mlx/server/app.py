@@ -1,5 +1,13 @@
 """The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, Anthropic's /v1/messages,
-plus /health and /metrics. Handlers validate and tokenize, queue a job on the worker, and format its events."""
+plus /health (GET and HEAD) and /metrics. Handlers validate and tokenize, queue a job on the worker, and format its
+events.
+
+Every body's text is checked first (`schemas.check_text`: no lone surrogates, at most 8 bytes per token of the
+model's context plus 16 KiB), and prompts are rendered and tokenized on a thread, so a big prompt neither stalls
+/health nor reaches the tokenizer when it could not fit anyway. On shutdown (`Server.begin_shutdown`, called by the
+uvicorn server in server/__init__.py) the running generation stops at its next verify pass, so a stream in flight
+ends with its final chunk and [DONE].
+"""
 
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ from .errors import APIError
 from .generation import GenerationRequest, Generator, Outcome
 from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, check_text
 from .streaming import collect, first_event
 from .text import router_for
 from .tools import openai_tool_choice
@@ -80,6 +88,16 @@ class Server:
         self.created = int(time.time())
 
     # -- request checks ----------------------------------------------------------------------------------------
+    def check_body(self, body) -> None:
+        """Lone surrogates and text no context could hold: a 400 before anything renders or tokenizes."""
+        check_text(body, self.context_length)
+
+    def check_length(self, n: int) -> None:
+        limit = self.context_length
+        if limit is not None and n >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {n}; "
+                                "shorten the messages", param="messages", code="context_length_exceeded")
+
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.settings.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.settings.model_name}' "
@@ -94,10 +112,8 @@ class Server:
         n = len(prompt.tokens)
         if n == 0:
             raise APIError(400, "the prompt is empty", param="messages")
+        self.check_length(n)
         limit = self.context_length
-        if limit is not None and n >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {n}; "
-                                "shorten the messages", param="messages", code="context_length_exceeded")
         max_tokens = max_tokens or self.settings.default_max_tokens
         if limit is not None:
             max_tokens = min(max_tokens, limit - n)
@@ -108,7 +124,7 @@ class Server:
             SamplingParams(**sampling)
         except DFlashError as e:
             raise APIError(400, str(e)) from e
-        sampling["seed"] = getattr(body, "seed", None)
+        sampling["seed"] = _seed(getattr(body, "seed", None))
         penalty = getattr(body, "repetition_penalty", None)
         if penalty is not None:
             sampling["repetition_penalty"] = penalty
@@ -132,6 +148,16 @@ class Server:
             out[token] = float(value)
         return out
 
+    async def chat_prompt(self, *args) -> prompts.Prompt:
+        """`prompts.chat_prompt` on a thread: rendering and encoding a long prompt must not stall the event loop
+        (and the tokenizer's lock may be held by the worker, detokenizing)."""
+        return await asyncio.to_thread(prompts.chat_prompt, self.tokenizer, *args)
+
+    def begin_shutdown(self) -> None:
+        """The server is going down: stop the running generation at its next verify pass (its stream still ends
+        with a finish_reason and [DONE]) and turn the waiting ones away with a 503."""
+        self.worker.shutdown()
+
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request, asyncio.get_running_loop())
         try:
@@ -139,6 +165,15 @@ class Server:
         except QueueFull as e:
             raise APIError(503, f"the server is busy: {e}; retry later", type="server_overloaded") from e
         return job
+
+
+MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+
+
+def _seed(seed):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise APIError(400, f"seed must be an integer from 0 to 2**64-1, got {seed!r}", param="seed")
+    return seed
 
 
 def _stops(stop) -> List[str]:
@@ -211,7 +246,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         server.metrics.record_request(request.url.path, response.status_code)
         return response
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes
     async def health():
         alive = server.worker.alive
         body = {"status": "ok" if alive else "worker stopped", "model": settings.model_name,
@@ -243,6 +278,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_body(body)
         server.check_model(body.model)
         response_format = (body.model_extra or {}).get("response_format")
         if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
@@ -252,7 +288,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         choice = openai_tool_choice(body.tool_choice, body.tools)
         tools = None if choice.mode == "none" else body.tools  # "none": the model is not told about them
         template_kwargs = dict(settings.chat_template_kwargs or {}, **(body.chat_template_kwargs or {}))
-        prompt = prompts.chat_prompt(server.tokenizer, messages, tools, template_kwargs, choice)
+        prompt = await server.chat_prompt(messages, tools, template_kwargs, choice)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = body.top_logprobs or 0
         job = server.submit(server.generation_request(prompt, body, max_tokens, _stops(body.stop), body.logprobs,
@@ -265,10 +301,13 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
+        server.check_body(body)
         server.check_model(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        prompt = prompts.text_prompt(server.tokenizer, body.prompt, server.vocab_size)
+        if isinstance(body.prompt, list) and all(isinstance(t, int) for t in body.prompt):
+            server.check_length(len(body.prompt))  # before decoding them all
+        prompt = await asyncio.to_thread(prompts.text_prompt, server.tokenizer, body.prompt, server.vocab_size)
         job = server.submit(server.generation_request(prompt, body, body.max_tokens, _stops(body.stop),
                                                       body.logprobs is not None, body.logprobs or 0))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -23,6 +23,8 @@ class APIError(Exception):
 
 def error_response(request: Request, status: int, message: str, type: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+    # A message that quotes the client's text may hold a lone surrogate, which UTF-8 cannot carry: escape it.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     if request.url.path.startswith("/v1/messages"):
         body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     else:

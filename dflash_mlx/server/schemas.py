@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI and Anthropic endpoints, as pydantic models.
+"""Request bodies of the OpenAI and Anthropic endpoints, as pydantic models, and `check_text`, the checks every
+body's text gets before anything renders or tokenizes it.
 
 Unknown fields are accepted and ignored (clients send many); known fields are type-checked, and a wrong type is
 a 400 in OpenAI's error shape.
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import APIError
 
 
 class _Lenient(BaseModel):
@@ -97,3 +100,57 @@ class AnthropicCountRequest(_Lenient):
     messages: List[AnthropicMessage]
     system: Optional[Union[str, List[Dict[str, Any]]]] = None
     tools: Optional[List[Dict[str, Any]]] = None
+
+
+# A prompt's text may take this many UTF-8 bytes per token of the model's context, plus the margin, before it is
+# refused unseen. Tokens average about 4 bytes of English (fewer of CJK), so a prompt that fits the context is
+# far below; runs of spaces or symbols can reach 16 bytes a token but not over a whole prompt.
+BYTES_PER_TOKEN = 8
+BYTES_MARGIN = 16 << 10
+
+
+def text_limit(context_length: Optional[int]) -> Optional[int]:
+    """The most bytes of text a request may hold for a model with this context (None: no limit)."""
+    return None if context_length is None else context_length * BYTES_PER_TOKEN + BYTES_MARGIN
+
+
+def check_text(body: BaseModel, context_length: Optional[int]) -> None:
+    """Refuse a body (every field, unknown ones and dict keys included) that holds a lone surrogate, or whose text
+    is over `text_limit(context_length)` bytes of UTF-8, with a 400; numbers count as their decimal digits.
+
+    JSON lets a client escape half of a surrogate pair ("\\ud800"); Python keeps it, and the tokenizer, the
+    chat template or the UTF-8 response would fail on it later with a 500. The size is checked here because
+    rendering and tokenizing a 10 MB prompt takes seconds and gigabytes before its token count can refuse it.
+    """
+    limit = text_limit(context_length)
+    total = 0
+    stack: List[tuple] = [(body.model_dump(), "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str):
+                    total += _utf8_bytes(key, where or "body", key=True)
+                stack.append((item, path))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, f"{where}.{i}") for i, item in enumerate(value))
+        elif isinstance(value, str):
+            total += _utf8_bytes(value, where)
+        elif isinstance(value, (int, float)):
+            total += len(repr(value))
+        if limit is not None and total > limit:
+            raise APIError(400, f"the request holds more than {limit} bytes of text, more than this model's "
+                                f"{context_length}-token context can take ({BYTES_PER_TOKEN} bytes per token, plus "
+                                f"{BYTES_MARGIN // 1024} KiB); shorten the messages", code="context_length_exceeded")
+
+
+def _utf8_bytes(text: str, where: str, key: bool = False) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        # The message names the field, never the text (it could not be sent back as UTF-8 either).
+        what = f"a key in '{where}'" if key else f"'{where}'"
+        raise APIError(400, f"{what} is not valid Unicode: it holds a lone surrogate (half of a UTF-16 pair, e.g. "
+                            "\\ud800); send text as UTF-8, or escape surrogates only in pairs",
+                       param=where) from None

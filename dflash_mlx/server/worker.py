@@ -3,6 +3,9 @@
 Handlers `submit` a `Job` and read its events (`Delta`s, then an `Outcome` or an exception) with `job.next()`.
 A job whose client went away is `cancel`led: a queued one is skipped, a running one stops between two verify
 passes. More than `max_queue` waiting jobs are refused (the handler answers 503).
+
+`shutdown` (the HTTP server is going down) stops the running job the same way, so its reply still ends with an
+Outcome (finish_reason "cancelled"), and answers the waiting ones with a 503.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import queue
 import threading
 from typing import Optional
 
+from .errors import APIError
 from .generation import GenerationRequest, Generator, Outcome
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -87,9 +91,13 @@ class Worker:
             self.waiting += 1
         self._queue.put(job)
 
-    def stop(self) -> None:
-        """Stop the running generation between two verify passes, drop the waiting ones, end the thread."""
+    def shutdown(self) -> None:
+        """Stop the running generation between two verify passes and refuse the waiting ones; returns at once."""
         self._stopping = True
+
+    def stop(self) -> None:
+        """`shutdown`, then end the thread."""
+        self.shutdown()
         self._queue.put(None)
         self._thread.join(timeout=30)
 
@@ -102,8 +110,12 @@ class Worker:
                 self.waiting -= 1
                 self.running = 1
             try:
-                if job.cancelled or self._stopping:
+                if job.cancelled:
                     job.push(ClientGone())
+                    continue
+                if self._stopping:
+                    job.push(APIError(503, "the server is shutting down; retry when it is back",
+                                      type="server_error"))
                     continue
                 for event in self.generator.run(job.request, should_stop=lambda: job.cancelled or self._stopping):
                     if self.metrics is not None and isinstance(event, Outcome):
