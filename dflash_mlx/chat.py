@@ -4,6 +4,10 @@ Each turn feeds only the tokens the conversation added since the last reply: the
 the whole conversation and the part the model has already seen is cut off. When the rendering does not extend
 what the model saw (some templates rewrite earlier turns, e.g. dropping thinking), the turn starts from fresh
 caches instead: slower, never wrong. Ctrl-C stops the reply at a token boundary, so the caches stay exact.
+
+No turn ends the chat: a line that is not UTF-8, a chat template that fails or refuses the conversation, a reply
+that fails, each prints one `error:` line and the conversation goes on as it was; a failed turn is not recorded
+(neither its user message nor an empty reply), so /save saves what really happened.
 """
 
 from __future__ import annotations
@@ -95,7 +99,19 @@ class ChatSession:
     def _render(self, messages: List[Dict[str, str]]) -> str:
         conversation = ([{"role": "system", "content": self.system}] if self.system else []) + messages
         extra = {} if self.thinking is None else {"enable_thinking": self.thinking}
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **extra)
+        try:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                      **extra)
+        except Exception as e:  # a template that does not compile, or raises on this conversation (jinja, HF)
+            reason = _one_line(e)
+            if type(e).__name__ == "TemplateSyntaxError":
+                hint = "the model's chat template does not compile: fix chat_template in its tokenizer_config.json"
+            elif self.system and "system" in reason.lower():
+                hint = "a bare /system clears the system prompt"
+            else:
+                hint = "/reset starts a new conversation"
+            raise DFlashError(f"the chat template failed ({reason}); the message was not sent and the conversation "
+                              f"is kept; {hint}") from None
 
     def _new_tokens(self, rendered: str) -> List[int]:
         """Tokens to feed this turn; drops the caches when the rendering does not extend what was seen."""
@@ -114,40 +130,50 @@ class ChatSession:
         return DecodeState.fresh(prepare(self.model, self.drafter), self.drafter)
 
     def send(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
-        """Add a user message and stream the reply's text; `should_stop` is polled between tokens."""
+        """Add a user message and stream the reply's text; `should_stop` is polled between tokens.
+
+        The turn (user message and reply) is recorded when the reply ends or is stopped; a turn that fails (the
+        template refuses the conversation, generation raises) records nothing and re-raises.
+        """
         from .api import stream_generate
 
-        self.messages.append({"role": "user", "content": text})
-        new = self._new_tokens(self._render(self.messages))
-        if self.state is None:
-            self.state = self._fresh_state()
-        self.last_prefill_tokens = len(new) + (1 if self.seen else 0)
-        self.seen.extend(new)
-        reply, response, stopped = [], None, False
-        stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
-                                 block_size=self.block_size, state=self.state, **self.sampling)
+        user = {"role": "user", "content": text}
+        new = self._new_tokens(self._render(self.messages + [user]))
+        reply, response, stopped, failed = [], None, False, False
         try:
-            for response in stream:
-                self.seen.append(response.token)
-                reply.append(response.token)
-                yield response.text
-                if should_stop():
-                    stopped = True
-                    break
+            if self.state is None:
+                self.state = self._fresh_state()
+            self.last_prefill_tokens = len(new) + (1 if self.seen else 0)
+            self.seen.extend(new)
+            stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
+                                     block_size=self.block_size, state=self.state, **self.sampling)
+            try:
+                for response in stream:
+                    self.seen.append(response.token)
+                    reply.append(response.token)
+                    yield response.text
+                    if should_stop():
+                        stopped = True
+                        break
+            finally:
+                stream.close()  # rolls back any queued cycle
+        except Exception:  # a failure; a close (GeneratorExit) or Ctrl-C (KeyboardInterrupt) is a stop: kept
+            failed = True
+            raise
         finally:
-            stream.close()  # rolls back any queued cycle
-            if stopped or response is None or response.finish_reason is None:
-                # Stopped inside a verify pass: the caches hold tokens the reply never showed. Start the next
-                # turn from fresh caches rather than trim what may not be trimmable (recurrent layers).
+            if failed or stopped or response is None or response.finish_reason is None:
+                # Stopped inside a verify pass (or failed): the caches hold tokens the reply never showed. Start the
+                # next turn from fresh caches rather than trim what may not be trimmable (recurrent layers).
                 self._drop_caches()
-            # The record holds the tokens' exact text (a streaming detokenizer may drop a leading space), so the
-            # next turn's rendering extends what the caches saw and they are reused.
-            eos = set(self.tokenizer.eos_token_ids)
-            self.messages.append({"role": "assistant",
-                                  "content": self.tokenizer.decode([t for t in reply if t not in eos])})
-            if response is not None:
-                self.last_stats = response.stats
-                self.last_speed = (response.prompt_tps, response.generation_tps, response.generation_tokens)
+            if not failed:
+                # The record holds the tokens' exact text (a streaming detokenizer may drop a leading space), so the
+                # next turn's rendering extends what the caches saw and they are reused.
+                eos = set(self.tokenizer.eos_token_ids)
+                self.messages += [user, {"role": "assistant",
+                                         "content": self.tokenizer.decode([t for t in reply if t not in eos])}]
+                if response is not None:
+                    self.last_stats = response.stats
+                    self.last_speed = (response.prompt_tps, response.generation_tps, response.generation_tokens)
 
     def stats_text(self) -> str:
         if self.last_stats is None:
@@ -160,6 +186,15 @@ class ChatSession:
             lines.append(f"tau {s.tau:.2f} over {s.cycles} verify passes; tokens committed per pass:")
             lines.append(s.format_histogram())
         return "\n".join(lines)
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its message with whitespace collapsed (DFlashError's text as is, else the type
+    first, since a bare message such as 'out of memory' may not say where it came from)."""
+    text = " ".join(str(e).split())
+    if isinstance(e, DFlashError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 _ROLES = ("system", "user", "assistant")
@@ -266,10 +301,50 @@ def _command(session: ChatSession, line: str, out) -> bool:
     return True
 
 
+NOT_UTF8 = "the line is not valid UTF-8 text; it was ignored and the conversation is kept"
+
+
+@contextmanager
+def _tolerant_decoding(stdin):
+    """Decode stdin with surrogateescape while the REPL runs: a line of invalid UTF-8 then arrives as text with
+    lone surrogates (refused by `_valid_text`) instead of raising mid-read, which can drop the lines buffered
+    after it. Streams that cannot be reconfigured are left as they are."""
+    reconfigure = getattr(stdin, "reconfigure", None)
+    errors = getattr(stdin, "errors", None)
+    try:
+        if reconfigure is None or errors != "strict":
+            raise ValueError
+        reconfigure(errors="surrogateescape")
+    except (ValueError, OSError):  # io refuses while decoded text is pending: `run_repl` catches the error then
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            reconfigure(errors=errors)
+        except (ValueError, OSError):  # text still pending (the user quit mid-input): the stream stays tolerant
+            pass
+
+
+def _valid_text(line: str) -> bool:
+    try:
+        line.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8
+        return False
+
+
 def run_repl(session: ChatSession, stdin=None, out=None) -> None:
-    """Read user lines until /quit or end of input; stream each reply."""
+    """Read user lines until /quit or end of input; stream each reply. A failing line or turn prints one
+    `error:` line and the chat goes on."""
     stdin = stdin or sys.stdin
     out = out or sys.stdout
+    with _tolerant_decoding(stdin):
+        _loop(session, stdin, out)
+
+
+def _loop(session: ChatSession, stdin, out) -> None:
     interactive = stdin.isatty()
     print("dflash-mlx chat: /help for commands, /quit to leave.", file=out, flush=True)
     while True:
@@ -280,20 +355,34 @@ def run_repl(session: ChatSession, stdin=None, out=None) -> None:
         except KeyboardInterrupt:
             print("", file=out)
             continue
+        except UnicodeDecodeError:  # a stream `_tolerant_decoding` could not reconfigure
+            print(f"error: {NOT_UTF8}", file=out, flush=True)
+            continue
         if not line:
             break
         if not line.strip():
             continue
+        if not _valid_text(line):
+            print(f"error: {NOT_UTF8}", file=out, flush=True)
+            continue
         if line.startswith("/"):
-            if not _command(session, line, out):
-                break
+            try:
+                if not _command(session, line, out):
+                    break
+            except Exception as e:  # a command's unexpected failure (its expected ones print their own line)
+                print(f"error: {_one_line(e)}; the conversation is kept", file=out, flush=True)
             continue
         stop = [False]
+        printed = False
         try:
             with _sigint_sets_flag(stop):
                 for segment in session.send(line.rstrip("\n"), should_stop=lambda: stop[0]):
                     print(segment, end="", file=out, flush=True)
-        except DFlashError as e:  # e.g. a reply that cannot be generated: say so, keep the session
-            print(f"\nerror: {e}", file=out, flush=True)
+                    printed = printed or bool(segment)
+        except Exception as e:  # a template or a reply that fails: say so in one line, keep the session
+            message = _one_line(e)
+            if not isinstance(e, DFlashError):
+                message += "; the reply failed and the conversation is kept"
+            print(f"{chr(10) if printed else ''}error: {message}", file=out, flush=True)
             continue
         print("\n[stopped]" if stop[0] else "", file=out, flush=True)

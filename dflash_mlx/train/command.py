@@ -11,12 +11,20 @@ NVIDIA GPU when the installed MLX has one, see device.py).
 Stages, each resumable: (1) read and pack the data (optionally the target answers every prompt); (2) run the
 frozen target once over it and cache the tapped features on disk; (3) train (checkpoints, `--resume`); (4) write
 the drafter (`config.json` + `model.safetensors`, as `convert` writes) and a model card README.md into --out.
+
+Safety: every option is checked before the target loads (`check_options`; the tapped layers right after it loads).
+--out must be new, empty, or a run of ours (`check_out`): a run marks its --out (`RUN_MARKER`) before its first
+write there, and never writes into a folder holding a model or files it did not make. `--resume` continues in the
+--out given, with the --target given, after checking that it is the model the run was trained on (`target_identity`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +35,13 @@ import typer
 
 from ..errors import DFlashError
 from ..loading import dtype_name
-from .trainer import TrainConfig
+from .trainer import LABELS, STATE_DIR, TrainConfig
 
 
 @dataclass
 class TrainArgs:
-    """Everything `dflash-mlx train` was asked for; stored with each checkpoint so `--resume` needs no flags."""
+    """Everything `dflash-mlx train` was asked for; stored with each checkpoint so `--resume` needs no other flags
+    than --target and --out (which win over the saved ones)."""
 
     target: str
     out: str
@@ -107,6 +116,156 @@ class TrainArgs:
         return Path(self.cache) if self.cache else Path(self.out) / "features"
 
 
+# -- checks before any work ----------------------------------------------------------------------------------------
+def _positive(value) -> bool:
+    """A finite number above 0 (nan and inf fail)."""
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def check_options(args: TrainArgs) -> None:
+    """Refuse options that cannot train, in one line each, before anything loads or is written.
+
+    (The tapped layers need the target's depth: `check_target_options` checks them once it is loaded.)
+    """
+    def bad(flag: str, want: str, value) -> DFlashError:
+        return DFlashError(f"{flag} must be {want}, got {value}")
+
+    counts = dict(steps=args.steps, num_layers=args.num_layers, anchors=args.anchors, rows=args.rows,
+                  batch_blocks=args.batch_blocks, gen_batch=args.gen_batch, eval_tokens=args.eval_tokens)
+    for name, value in counts.items():
+        if value < 1:
+            raise bad("--" + name.replace("_", "-"), "at least 1", value)
+    if args.block_size < 2:
+        raise bad("--block-size", "at least 2 for training (a given token and at least one drafted)",
+                  args.block_size)
+    if args.seq_len < args.block_size + 2:  # a row holds at least one context token, a block and its label
+        raise bad("--seq-len", f"at least --block-size + 2 = {args.block_size + 2} tokens", args.seq_len)
+    if not _positive(args.lr):
+        raise bad("--lr", "a positive finite number", args.lr)
+    if args.gamma is not None and not _positive(args.gamma):
+        raise bad("--gamma", "a positive finite number", args.gamma)
+    if not 0 <= args.kl <= 1:  # nan fails too
+        raise bad("--kl", "a mixing weight between 0 and 1", args.kl)
+    if args.labels not in LABELS:
+        raise DFlashError(f"--labels {args.labels!r} is not one of {', '.join(LABELS)}")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise bad("--max-minutes", "a positive number of minutes", args.max_minutes)
+    # 0 means "off" for these (the loop tests them for truth): only negatives are mistakes.
+    for flag, value, zero in (("--checkpoint-every", args.checkpoint_every, "only at the end"),
+                              ("--eval-every", args.eval_every, "only at the end"),
+                              ("--regenerate", args.regenerate, "train on the data as is"),
+                              ("--eval-prompts", args.eval_prompts, "no held-out τ"),
+                              ("--kl-topk", args.kl_topk, "none cached"),
+                              ("--warmup", args.warmup, "no warmup")):
+        if value is not None and value < 0:
+            raise bad(flag, f"0 ({zero}) or more", value)
+    for flag, value in (("--weight-decay", args.weight_decay), ("--grad-clip", args.grad_clip)):
+        if not (math.isfinite(value) and value >= 0):
+            raise bad(flag, "a finite number, 0 or more", value)
+    for flag, value in (("--draft-vocab", args.draft_vocab), ("--intermediate-size", args.intermediate_size),
+                        ("--max-data-tokens", args.max_data_tokens)):
+        if value is not None and value < 1:
+            raise bad(flag, "a positive number", value)
+    if args.mask_token_id is not None and args.mask_token_id < 0:
+        raise bad("--mask-token-id", "a token id (0 or more)", args.mask_token_id)
+
+
+def check_target_options(args: TrainArgs, target) -> None:
+    """The options that need the loaded target: tapped layers, mask token and draft vocabulary within its range."""
+    n, V = target.num_layers, target.vocab_size
+    if args.target_layers:
+        wrong = [t for t in args.target_layers if not 0 <= t < n]
+        if wrong:
+            raise DFlashError(f"--target-layers {','.join(map(str, args.target_layers))}: the target has {n} "
+                              f"layers (0..{n - 1}), so {','.join(map(str, wrong))} is out of range")
+    if args.mask_token_id is not None and args.mask_token_id >= V:
+        raise DFlashError(f"--mask-token-id {args.mask_token_id} is outside the target's vocabulary of {V} tokens")
+    if args.draft_vocab is not None and args.draft_vocab > V:
+        raise DFlashError(f"--draft-vocab {args.draft_vocab} is larger than the target's vocabulary of {V} tokens")
+
+
+# What a training run of ours writes into --out. A folder holding anything else is not ours to write into.
+RUN_MARKER = ".dflash-train-run.json"  # written before a run's first write into --out
+RUN_FILES = ("config.json", "model.safetensors", "README.md", "tau_curve.png", "bench_figures.json")
+MODEL_FILES = ("config.json", "model.safetensors")
+CACHE_FILES = ("meta.json", "tokens.npy", "trainable.npy", "eval.json", "features.f16", "argmax.i32",
+               "topk_ids.i32", "topk_logp.f16", "progress.json")  # features.py's layout
+HARMLESS = (".DS_Store",)  # Finder's folder settings: not the user's data
+
+
+def _is_state_dir(path: Path) -> bool:
+    """A train_state/ as trainer.save writes it: latest.json and step-N folders (plus their temporaries)."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    for p in path.iterdir():
+        name = p.name.removesuffix(".tmp")
+        if not (name == "latest.json" or name.lstrip(".").startswith("step-")):
+            return False
+    return True
+
+
+def _is_cache_dir(path: Path) -> bool:
+    """A folder holding only a feature cache's files (or nothing)."""
+    return path.is_dir() and not path.is_symlink() and all(
+        p.name.removesuffix(".tmp") in CACHE_FILES and p.is_file() for p in path.iterdir())
+
+
+def check_out(out: Path) -> None:
+    """--out must be new, empty, or a training run of ours: marked by RUN_MARKER, or (runs from before the marker)
+    holding a train_state/. A run's folder may hold only what runs write (RUN_FILES, train_state/, features/);
+    anything else, or a model no run of ours wrote (a target, a converted drafter), is refused untouched."""
+    out = Path(out).expanduser()
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DFlashError(f"--out '{out}' is a file; give a new or empty folder")
+    names = sorted(p.name for p in out.iterdir() if p.name not in HARMLESS)
+    ours = RUN_MARKER in names or (_is_state_dir(out / STATE_DIR) and (out / STATE_DIR / "latest.json").is_file())
+    model = [n for n in names if n in MODEL_FILES or n.endswith(".safetensors")]
+    if model and not ours:
+        raise DFlashError(f"--out '{out}' holds a model ({', '.join(model)}) that no dflash-mlx train run wrote; "
+                          "training would overwrite it: give a new or empty folder")
+
+    def belongs(name: str) -> bool:
+        path = out / name
+        if name in (RUN_MARKER, RUN_MARKER + ".tmp") or name.removesuffix(".tmp") in RUN_FILES:
+            return path.is_file()
+        if name == STATE_DIR:
+            return _is_state_dir(path)
+        if _is_cache_dir(path):  # the default cache, or a --cache the user put inside a run of ours
+            return ours or name == "features"
+        return False
+
+    foreign = [n for n in names if not belongs(n)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DFlashError(f"--out '{out}' holds files that are not part of a dflash-mlx train run ({shown}); "
+                          "give a new or empty folder, or one a previous training run wrote")
+
+
+def check_cache_dir(path: Path) -> None:
+    """An explicit --cache must be new, empty, or a feature cache (features.py writes into it freely)."""
+    path = Path(path).expanduser()
+    if path.exists() and not _is_cache_dir(path):
+        raise DFlashError(f"--cache '{path}' holds files that are not a feature cache; give a new or empty folder "
+                          "or one a previous run built")
+
+
+def claim_out(out: Path) -> None:
+    """Mark --out as a run of ours before the first write into it, so later runs can tell it from a user's folder."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / RUN_MARKER
+    if not marker.is_file():
+        tmp = out / (RUN_MARKER + ".tmp")
+        tmp.write_text(json.dumps({"written_by": "dflash-mlx train", "format": 1}) + "\n")
+        os.replace(tmp, marker)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return Path(path).expanduser().resolve().is_relative_to(Path(root).expanduser().resolve())
+
+
 # -- the target ----------------------------------------------------------------------------------------------------
 def load_target(ref: str):
     """(model, tokenizer, path) for a local mlx-lm dir, an offline or registry name, or a hub repo id."""
@@ -115,6 +274,68 @@ def load_target(ref: str):
     ref = resolve_target(ref)
     model, tokenizer = load(ref)
     return model, tokenizer, ref
+
+
+def target_identity(model) -> str:
+    """A fingerprint of what the target computes, wherever it is stored: its configuration and, for every weight,
+    name, shape, dtype and a strided sample of its values. A copy matches; a fine-tune, another quantization or
+    another size does not. Cheap: a few thousand values per tensor, never the whole weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    a = getattr(model, "args", None)
+    config = dataclasses.asdict(a) if dataclasses.is_dataclass(a) else dict(vars(a)) if a is not None else {}
+    # Values JSON cannot hold count by their type only: their repr may hold a memory address, unstable across runs.
+    h.update(json.dumps(config, sort_keys=True, default=lambda o: type(o).__name__).encode())
+    for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        flat = p.reshape(-1)
+        sample = flat[:: max(1, flat.size // 4096)][:4096]
+        if sample.dtype == mx.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
+            sample = sample.astype(mx.float32)
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        h.update(np.asarray(sample).tobytes())
+    return h.hexdigest()
+
+
+def _cache_target(cache_dir: Path) -> Optional[str]:
+    """The target reference a feature cache's fingerprint names, if there is a cache."""
+    file = Path(cache_dir) / "meta.json"
+    try:
+        return json.loads(file.read_text()).get("fingerprint", {}).get("target") if file.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _check_resumed_target(saved: Dict, given: str, target, identity: str, args: "TrainArgs", target_ref: str):
+    """Refuse a --target that is not the model the checkpoint was trained on; returns the target reference to
+    expect in the feature cache's fingerprint (the cache came from the same model, maybe at another path)."""
+    saved_ref = saved["args"]["target"]
+    stored = _cache_target(args.cache_dir)
+
+    def other(why: str) -> DFlashError:
+        return DFlashError(f"--target '{given}' is not the model this run was trained on ('{saved_ref}'): {why}; "
+                           f"resume with --target {saved_ref} (or a copy of it), or start a new run in another --out")
+
+    if saved.get("target_identity"):
+        if saved["target_identity"] != identity:
+            raise other("its configuration or weights differ")
+    elif given != saved_ref and stored != target_ref:
+        # A checkpoint from before target fingerprints: compare the target's features with the cached ones.
+        from .features import FeatureCache
+        import mlx.core as mx
+
+        cache = FeatureCache.open(args.cache_dir)  # no fingerprint: the target's path is what differs
+        if cache is None or cache.rows_done < 1:
+            raise other("the run predates target fingerprints and has no feature cache to compare with")
+        target.set_taps(list(args.target_layers))
+        _, hidden = target(mx.array(np.asarray(cache.tokens[:1])))
+        ours = np.asarray(hidden.astype(mx.float32))[0]
+        theirs = np.asarray(cache.features()[0], dtype=np.float32)
+        scale = max(1.0, float(np.abs(theirs).max()))
+        if ours.shape != theirs.shape or not np.allclose(ours, theirs, rtol=2e-2, atol=2e-2 * scale):
+            raise other("its features on the cached data differ")
+    return stored or target_ref
 
 
 def drafter_config(target, model, args: TrainArgs, mask_token_id: int):
@@ -180,14 +401,23 @@ def _fingerprint(args: TrainArgs, target_ref: str, taps: List[int], feature_dim:
                 regenerate=args.regenerate, eval_prompts=args.eval_prompts, seed=args.seed)
 
 
-def prepare_cache(args: TrainArgs, model, tokenizer, target, target_ref: str, taps: List[int], log):
-    """Open or build the feature cache and finish its extraction. Returns (cache, extraction stats or None)."""
+def prepare_cache(args: TrainArgs, model, tokenizer, target, target_ref: str, taps: List[int], log,
+                  writable: bool = True):
+    """Open or build the feature cache and finish its extraction. Returns (cache, extraction stats or None).
+
+    `writable=False` (a resume whose cache lies outside its --out, not given this time) refuses to build or extend
+    it: a resume writes nowhere but its --out.
+    """
     from .data import prepare_data
     from .features import FeatureCache
 
     feature_dim = len(taps) * target.hidden_size
     fingerprint = _fingerprint(args, target_ref, taps, feature_dim)
     cache = FeatureCache.open(args.cache_dir, fingerprint)
+    if (cache is None or not cache.complete) and not writable:
+        state = "missing" if cache is None else "incomplete"
+        raise DFlashError(f"the run's feature cache '{args.cache_dir}' is {state} and lies outside --out, where a "
+                          "resume does not write; pass --cache DIR to rebuild it")
     if cache is None:
         if not args.data:
             raise DFlashError(f"--data is required (no feature cache yet at {args.cache_dir})")
@@ -200,6 +430,8 @@ def prepare_cache(args: TrainArgs, model, tokenizer, target, target_ref: str, ta
             g = data.summary["generation"]
             log(f"target answers: {g['tokens']} tokens in {g['seconds']:.0f} s ({g['tok_s']:.1f} tok/s, batches of "
                 f"{args.gen_batch})")
+        if _inside(args.cache_dir, args.out):
+            claim_out(Path(args.out))
         cache = FeatureCache.create(args.cache_dir, data, feature_dim=feature_dim, topk=args.kl_topk,
                                     fingerprint=fingerprint)
     stats = None
@@ -247,8 +479,9 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
     from .vocab import head_rows, maps, select_vocab
 
     out = Path(args.out)
+    check_out(out)
     checkpoint = latest_checkpoint(out)
-    saved = None
+    saved, given = None, args
     if checkpoint is not None and not resume:
         raise DFlashError(f"'{out}' holds a training run (step {checkpoint.name[5:]}); pass --resume to continue "
                           "it or choose another --out")
@@ -257,13 +490,27 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
             raise DFlashError(f"nothing to resume in '{out}' (no checkpoint yet); run the same command without "
                               "--resume: an interrupted feature extraction continues by itself")
         saved = json.loads((checkpoint / "trainer.json").read_text())
-        args = _saved_args(saved["args"], dict(overrides or {}, progress=args.progress))
+        # The saved options apply, but the paths given win: the run continues in the --out given (a copy of a run
+        # must never write into the original), with the --target given (checked below to be the trained model).
+        args = _saved_args(saved["args"], dict(overrides or {}, progress=args.progress, target=given.target,
+                                               out=given.out, cache=given.cache))
+        check_options(args)
         log(f"resuming {checkpoint} (step {saved['step']} of {args.steps}) with its saved options")
+    if args.cache:
+        check_cache_dir(args.cache_dir)
 
     model, tokenizer, target_ref = load_target(args.target)
     target = TargetModel(model)
+    identity = target_identity(model)
+    check_target_options(args, target)
     args.target_layers = list(args.target_layers or default_taps(target.num_layers, args.num_layers))
-    cache, extraction = prepare_cache(args, model, tokenizer, target, target_ref, args.target_layers, log)
+    cache_ref, writable = target_ref, True
+    if saved is not None:
+        cache_ref = _check_resumed_target(saved, given.target, target, identity, args, target_ref)
+        # A cache outside --out that this command did not name is only read: a resume writes only into --out.
+        writable = given.cache is not None or _inside(args.cache_dir, out)
+    cache, extraction = prepare_cache(args, model, tokenizer, target, cache_ref, args.target_layers, log,
+                                      writable=writable)
 
     if saved is not None:
         config = DFlashConfig.from_dict(saved["drafter_config"])
@@ -293,6 +540,7 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
         f"{'kept on the device' if resident else 'memory-mapped on the host'}")
     trainer = Trainer(drafter, cache, args.train_config(), device_features=resident)
     trainer.device = choice.describe()
+    trainer.target_identity = identity  # saved with each checkpoint: a resume checks its --target against it
     if checkpoint is not None:
         trainer.load(checkpoint)
     return args, tokenizer, target, drafter, trainer, cache, extraction
@@ -303,9 +551,10 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
     """Train a drafter as `args` says; returns the output directory (a loadable drafter).
 
     With `resume`, the run's saved options apply; `steps` and `max_minutes` (if given) replace the saved ones, so a
-    bounded run can be continued and extended session after session. With `workers` > 1 (None: one per CPU core
-    when training on the CPU, see `parallel.default_workers`) this process prepares the data and the feature cache,
-    then starts that many ranks on this machine to train data-parallel and waits for them. Under `mlx.launch` every
+    bounded run can be continued and extended session after session. The paths given win: the run continues in
+    `args.out` (a copy of a run never touches the original) with `args.target`, which must be the trained model.
+    With `workers` > 1 (None: one per CPU core when training on the CPU, see `parallel.default_workers`) this
+    process prepares the data and the feature cache, then starts that many ranks on this machine to train data-parallel and waits for them. Under `mlx.launch` every
     rank runs this; rank 0 prepares first, evaluates and writes. `announce=False` keeps the setup lines quiet.
     """
     from mlx.utils import tree_flatten
@@ -314,6 +563,8 @@ def run(args: TrainArgs, *, resume: bool = False, log=print, steps: Optional[int
     from .parallel import LocalWorkers, default_workers
 
     overrides = dict(steps=steps, max_minutes=max_minutes)
+    # Every option is checked before anything loads (with --resume: the given ones, and the saved ones later).
+    check_options(dataclasses.replace(args, **{k: v for k, v in overrides.items() if v is not None}))
     if not resume:
         args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if v is not None})
     quiet = log if announce else (lambda *a: None)
@@ -373,7 +624,9 @@ def _train(state, log, group) -> Path:
         return r["tau"]
 
     def checkpoint():
-        trainer.save(out, {"args": dataclasses.asdict(args), "command": args.command_line()})
+        claim_out(out)
+        trainer.save(out, {"args": dataclasses.asdict(args), "command": args.command_line(),
+                           "target_identity": getattr(trainer, "target_identity", None)})
 
     tau = trainer.history[-1]["tau"] if trainer.history else None
     if trainer.step == 0 and not trainer.history and leader:
@@ -495,7 +748,7 @@ def train_command(
     max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop after this much "
                                                               "training (checkpointed; continue with --resume)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out (its saved "
-                                              "options apply)."),
+                                              "options apply; --target must be the model it was trained on)."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Training processes on this machine, "
                                           "each computing a share of every step (data parallel). Default: one per "
                                           "CPU core when training on the CPU (as memory allows), 1 on a GPU."),
@@ -503,7 +756,7 @@ def train_command(
     """Train a DFlash drafter for a target: cache its features once, then train (resumable)."""
     dtype_name(dtype)  # a bad --dtype fails before anything loads
     args = TrainArgs(target=target, out=str(out), data=list(data or []), cache=str(cache) if cache else None,
-                     steps=steps or 2000, lr=lr, warmup=warmup, grad_clip=grad_clip, block_size=block_size, num_layers=num_layers,
+                     steps=TrainArgs.steps if steps is None else steps, lr=lr, warmup=warmup, grad_clip=grad_clip, block_size=block_size, num_layers=num_layers,
                      target_layers=_ints(target_layers), intermediate_size=intermediate_size, anchors=anchors,
                      rows=rows, batch_blocks=batch_blocks, labels=labels, seq_len=seq_len, gamma=gamma, kl=kl, kl_topk=kl_topk, draft_vocab=draft_vocab,
                      mask_token_id=mask_token_id, max_data_tokens=max_data_tokens, regenerate=regenerate,

@@ -392,10 +392,19 @@ class Trainer:
 
 
 def latest_checkpoint(out: Path) -> Optional[Path]:
+    """The step folder train_state/latest.json points at, or None before the first checkpoint."""
     file = Path(out) / STATE_DIR / "latest.json"
     if not file.is_file():
         return None
-    return file.parent / json.loads(file.read_text())["dir"]
+    try:
+        step_dir = file.parent / json.loads(file.read_text())["dir"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"'{file}' is damaged ({type(e).__name__}); restore the run's train_state/ from a "
+                          "copy, or start a new run in another --out") from None
+    if not (step_dir / "trainer.json").is_file():
+        raise DFlashError(f"'{file}' points at {step_dir.name}, which holds no trainer.json; restore the run's "
+                          "train_state/ from a copy, or start a new run in another --out")
+    return step_dir
 
 
 def held_out_tau(target, drafter, prompts: Sequence[Sequence[int]], *, max_tokens: int = 64,
