@@ -32,6 +32,12 @@ MIN_CHUNK = 512
 MAX_CHUNKS = 64
 
 
+def sliding_window(window: Optional[int]) -> Optional[int]:
+    """The one meaning of `window` for kernel and reference: a positive number of positions, or None for none.
+    None, 0 and negative values all mean no window (the kernel's `window <= 0`)."""
+    return window if window is not None and window > 0 else None
+
+
 def block_attention_reference(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.array, ctx_v: mx.array, *,
                               scale: float, window: Optional[int] = None, causal: bool = False,
                               n_ctx: Optional[int] = None) -> mx.array:
@@ -39,8 +45,10 @@ def block_attention_reference(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.a
 
     q [1, Hq, B, D] and k, v [1, Hkv, B, D] (the block, rotary already applied); ctx_k, ctx_v [1, Hkv, L, D] hold
     the context at positions 0..n_ctx-1 (n_ctx defaults to L); the block sits at positions n_ctx..n_ctx+B-1.
+    `window` None, 0 or negative: no window (`sliding_window`).
     """
     B = q.shape[2]
+    window = sliding_window(window)
     n_ctx = ctx_k.shape[2] if n_ctx is None else n_ctx
     first = max(n_ctx - (window - 1), 0) if window is not None else 0  # the oldest context key slot 0 can see
     ctx_k, ctx_v = ctx_k[:, :, first:n_ctx], ctx_v[:, :, first:n_ctx]
@@ -94,6 +102,7 @@ def block_attention_metal(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.array
     """The kernel; same arguments and result as `block_attention_reference` (`chunk` forces the split size)."""
     _, Hq, B, D = q.shape
     Hkv = k.shape[1]
+    window = sliding_window(window)
     n_ctx = ctx_k.shape[2] if n_ctx is None else n_ctx
     first = max(n_ctx - (window - 1), 0) if window is not None else 0
     n_keys = n_ctx - first + B

@@ -3,13 +3,29 @@
 // Bodies for mx.fast.metal_kernel; see gdn_tape.py for the reference, the dispatcher and how RecurrentRollback
 // uses them. Per value row of a head, per step t (state S [Dv, Dk] in float registers, rounded to its storage
 // dtype once, at the end):
-//   S = g_t * S;  delta_t = (v_t - S k_t) * beta_t;  S = S + delta_t k_t^T;  y_t = S q_t
+//   S = g_t * S;  delta_t = (v_t - S k_t) * beta_t;  S = fma(k_t, delta_t, S);  y_t = S q_t
 // The forward pass is arithmetic-for-arithmetic mlx-lm's gated_delta_update kernel for the same shape (its generic
-// simd_sum kernel, or its packed Dk = 128 kernel), and it also writes delta_t (float32) to the tape. The replay re-applies
-// only the two state updates for the kept steps, with the same expressions, so the state it returns is the
-// state the forward pass held after those steps, bit for bit: nothing is recomputed that could round differently.
+// simd_sum kernel, or its packed Dk = 128 kernel) as a compiler that contracts multiply-adds builds it: mlx-lm writes
+// the update `S + k_t * delta_t` and leaves the fusing to the compiler, we write the fma. It also writes delta_t
+// (float32) to the tape. The replay re-applies only the two state updates for the kept steps, through the same
+// two functions (dflash_gdn_decay, dflash_gdn_update), so the state it returns is the state the forward pass held
+// after those steps, bit for bit: nothing is recomputed that could round differently.
 
 constant constexpr int DFLASH_GDN_MAX_PER_LANE = 8;  // Dk <= 256
+
+// The state arithmetic the forward pass and the replay share, written once for all three bodies. The decay is one
+// rounded product; the update is ONE fused multiply-add, spelled out with fma() rather than left to the compiler.
+// Left as `s = s * g; s = s + k * delta`, a compiler that contracts across statements is free to fuse either
+// product: in the forward pass the decayed state is also read by kv_mem, so only k * delta can fuse, but in the
+// replay the decay product has no other use and may become fma(s, g, k * delta), which rounds differently and
+// breaks the replay's bit-exactness. An fma's operands cannot be contracted any further, so both passes round the
+// same two operations whatever the compiler does.
+inline float dflash_gdn_decay(float s, float g) {
+  return s * g;
+}
+inline float dflash_gdn_update(float decayed, float k, float delta) {
+  return fma(k, delta, decayed);
+}
 
 // ---- kernel: dflash_gdn_tape
 // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv] (g float32); state_in [B, Hv, Dv, Dk].
@@ -44,7 +60,7 @@ for (int t = 0; t < steps; ++t) {
   for (int i = 0; i < DFLASH_GDN_MAX_PER_LANE; ++i) {
     if (i < n_per_t) {
       const int s_idx = n_per_t * dk_idx + i;
-      state[i] = state[i] * g_[hv_idx];
+      state[i] = dflash_gdn_decay(state[i], g_[hv_idx]);
       kv_mem += state[i] * static_cast<float>(k_[s_idx]);
     }
   }
@@ -56,7 +72,7 @@ for (int t = 0; t < steps; ++t) {
   for (int i = 0; i < DFLASH_GDN_MAX_PER_LANE; ++i) {
     if (i < n_per_t) {
       const int s_idx = n_per_t * dk_idx + i;
-      state[i] = state[i] + static_cast<float>(k_[s_idx]) * delta_t;
+      state[i] = dflash_gdn_update(state[i], static_cast<float>(k_[s_idx]), delta_t);
       out += state[i] * static_cast<float>(q_[s_idx]);
     }
   }
@@ -116,7 +132,7 @@ for (int t = 0; t < steps; ++t) {
     float acc = 0.0f;
     for (int i = 0; i < 4; ++i) {
       const int e = pb * 4 + i;
-      state[e] = state[e] * gt;
+      state[e] = dflash_gdn_decay(state[e], gt);
       acc += state[e] * static_cast<float>(k_[e]);
     }
     part[pb] = acc;
@@ -131,7 +147,7 @@ for (int t = 0; t < steps; ++t) {
     float acc = 0.0f;
     for (int i = 0; i < 4; ++i) {
       const int e = pb * 4 + i;
-      state[e] = state[e] + static_cast<float>(k_[e]) * delta_t;
+      state[e] = dflash_gdn_update(state[e], static_cast<float>(k_[e]), delta_t);
       acc += state[e] * static_cast<float>(q_[e]);
     }
     part[pb] = acc;
@@ -174,7 +190,6 @@ for (int t = 0; t < keep; ++t) {
   const float g_t = g[(b_idx * T + t) * Hv + hv_idx];
   const float k_t = static_cast<float>(k[((b_idx * T + t) * Hk + hk_idx) * Dk + dk_idx]);
   const float delta_t = delta[((b_idx * T + t) * Hv + hv_idx) * Dv + dv_idx];
-  s = s * g_t;
-  s = s + k_t * delta_t;
+  s = dflash_gdn_update(dflash_gdn_decay(s, g_t), k_t, delta_t);
 }
 state_out[(n * Dv + dv_idx) * Dk + dk_idx] = static_cast<StT>(s);

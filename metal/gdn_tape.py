@@ -25,21 +25,38 @@ DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 MAX_DK = 256
 
 
+# The two state updates, written once and shared by the forward pass and the replay, as dflash_gdn_decay and
+# dflash_gdn_update are in the kernels. Each is a compiled function of its own, so both passes run the same fused
+# code on operands of the same shapes and dtypes: whatever a backend's compiler contracts inside it, it contracts
+# alike for both, and nothing can fuse the decay into the update in one pass only. MLX has no fused multiply-add,
+# so the update rounds k * delta before the add, as mlx-lm's ops do (the kernels fuse it: see docs/kernels.md).
 @mx.compile
+def _decay(state, g):
+    return state * g[..., None, None]
+
+
+@mx.compile
+def _update(decayed, k, delta):
+    return decayed + k[..., None, :] * delta[..., None]
+
+
+@mx.compile
+def _innovation(decayed, k, v, beta):
+    kv_mem = (decayed * k[..., None, :]).sum(axis=-1)  # [B, H, Dv]
+    return (v - kv_mem) * beta[..., None]
+
+
+@mx.compile
+def _read(state, q):
+    return (state * q[..., None, :]).sum(axis=-1).astype(q.dtype)
+
+
 def _tape_step(q, k, v, g, beta, state):
-    # As mlx-lm's per-step ops (scalar gate, no mask), op for op, plus delta as an output.
-    state = state * g[..., None, None]
-    kv_mem = (state * k[..., None, :]).sum(axis=-1)  # [B, H, Dv]
-    delta = (v - kv_mem) * beta[..., None]
-    state = state + k[..., None, :] * delta[..., None]
-    y = (state * q[..., None, :]).sum(axis=-1)
-    return y.astype(q.dtype), state, delta
-
-
-@mx.compile
-def _replay_step(k, g, delta, state):
-    state = state * g[..., None, None]
-    return state + k[..., None, :] * delta[..., None]
+    # mlx-lm's per-step ops (scalar gate, no mask), op for op, plus delta as an output.
+    decayed = _decay(state, g)
+    delta = _innovation(decayed, k, v, beta)
+    state = _update(decayed, k, delta)
+    return _read(state, q), state, delta
 
 
 def _zeros_state(k: mx.array, v: mx.array) -> mx.array:
@@ -53,8 +70,12 @@ def _repeat_heads(x: mx.array, Hv: int) -> mx.array:
 
 def gdn_tape_reference(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                        state: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, mx.array]:
-    """(y [B, T, Hv, Dv], state after T steps, delta [B, T, Hv, Dv] float32); y and state equal mlx-lm's ops path."""
+    """(y [B, T, Hv, Dv], state after T steps, delta [B, T, Hv, Dv] float32); y and a float32 state equal mlx-lm's
+    ops path. The state keeps its dtype, as the kernel's does: it is carried in float32 and rounded to its own dtype
+    once, at the end."""
     state = _zeros_state(k, v) if state is None else state
+    dtype = state.dtype
+    state = state.astype(mx.float32)
     Hv = v.shape[2]
     q, k = _repeat_heads(q, Hv), _repeat_heads(k, Hv)
     ys, deltas = [], []
@@ -62,15 +83,18 @@ def gdn_tape_reference(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta:
         y, state, delta = _tape_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         ys.append(y)
         deltas.append(delta)
-    return mx.stack(ys, axis=1), state, mx.stack(deltas, axis=1)
+    return mx.stack(ys, axis=1), state.astype(dtype), mx.stack(deltas, axis=1)
 
 
 def gdn_replay_reference(k: mx.array, g: mx.array, delta: mx.array, state: mx.array, keep: int) -> mx.array:
-    """The state after the first `keep` steps of a tape, starting from the state the tape started from."""
+    """The state after the first `keep` steps of a tape, starting from the state the tape started from; in that
+    state's dtype (carried in float32, rounded once at the end, as the forward pass does)."""
+    dtype = state.dtype
+    state = state.astype(mx.float32)
     k = _repeat_heads(k, delta.shape[2])
     for t in range(keep):
-        state = _replay_step(k[:, t], g[:, t], delta[:, t], state)
-    return state
+        state = _update(_decay(state, g[:, t]), k[:, t], delta[:, t])
+    return state.astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ import pytest
 from dflash_mlx.metal import block_attention as ba
 
 
-from kernel_cases import DTYPES, kernels_enabled
+from kernel_cases import DTYPES, kernels_enabled, metal_backend  # noqa: F401  (the fixture: both contractions)
 # (Hq, Hkv, B, D, n_ctx, window, causal, chunk): chunk None = the production choice (one chunk at these sizes).
 CASES = [
     (2, 1, 4, 64, 37, None, False, 16),    # bidirectional block, GQA 2, 3 chunks, the last one partial
@@ -74,6 +74,16 @@ def test_reference_reads_only_the_valid_context():
     assert mx.array_equal(a, b).item()
 
 
+@pytest.mark.parametrize("window", [0, -3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_window_zero_means_no_window(window, causal):
+    """window <= 0 is no window, as in the kernel (and window=None)."""
+    q, k, v, ck, cv = _inputs(2, 1, 4, 64, 10, mx.float32)
+    a = ba.block_attention_reference(q, k, v, ck, cv, scale=0.125, window=window, causal=causal)
+    b = ba.block_attention_reference(q, k, v, ck, cv, scale=0.125, window=None, causal=causal)
+    assert mx.array_equal(a, b).item()
+
+
 def test_dispatcher_takes_the_reference_without_metal(monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_NO_METAL", "1")
     q, k, v, ck, cv = _inputs(4, 2, 6, 64, 20, mx.float32)
@@ -125,6 +135,72 @@ def test_kernel_reads_strided_views_in_place(metal_backend):
     pk, pv = mx.concatenate([mx.contiguous(ck), nan], axis=2), mx.concatenate([mx.contiguous(cv), nan], axis=2)
     out = ba.block_attention_metal(q, k, v, pk, pv, scale=0.125, window=9, causal=True, n_ctx=n_ctx, chunk=8)
     _check(out, ref, mx.float32)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("window", [0, -3])
+def test_kernel_window_zero_means_no_window(metal_backend, window):
+    q, k, v, ck, cv = _inputs(4, 2, 5, 64, 21, mx.float32, seed=5)
+    out = ba.block_attention_metal(q, k, v, ck, cv, scale=0.125, window=window, causal=True, chunk=8)
+    _check(out, ba.block_attention_reference(q, k, v, ck, cv, scale=0.125, window=None, causal=True), mx.float32)
+    _check(ba.block_attention(q, k, v, ck, cv, scale=0.125, window=window, causal=True), out, mx.float32)
+
+
+# A score spike far above every other score (exp(150) overflows float32) in one chunk: the merge must rescale
+# every chunk by the largest maximum, chunk 0's included. Without a spike, a merge that skips one chunk's maximum
+# gives the same output up to rounding (the weights' common factor cancels), so only a spike shows it.
+SPIKE_CASE = (2, 1, 4, 64, 37, 16)  # Hq, Hkv, B, D, n_ctx, chunk: 41 keys in chunks [0, 16), [16, 32), [32, 41)
+SPIKE_CHUNKS = 3
+
+
+def _spike_inputs(spike_chunk: int):
+    """Block row 0 of head 0 scores 150 on key 5 of chunk `spike_chunk` (the last chunk's is a block key)."""
+    Hq, Hkv, B, D, n_ctx, chunk = SPIKE_CASE
+    q, k, v, ck, cv = _inputs(Hq, Hkv, B, D, n_ctx, mx.float32, seed=4)
+    row = q[0, 0, 0]
+    spike = (row * (150.0 / ((row * row).sum() * D**-0.5)))[None, None, None]
+    u = spike_chunk * chunk + 5
+    if u < n_ctx:
+        ck = mx.concatenate([ck[:, :, :u], spike, ck[:, :, u + 1:]], axis=2)
+    else:
+        j = u - n_ctx
+        k = mx.concatenate([k[:, :, :j], spike, k[:, :, j + 1:]], axis=2)
+    return q, k, v, ck, cv
+
+
+def _spike_matches(spike_chunk: int) -> None:
+    Hq, Hkv, B, D, n_ctx, chunk = SPIKE_CASE
+    q, k, v, ck, cv = _spike_inputs(spike_chunk)
+    ref = ba.block_attention_reference(q, k, v, ck, cv, scale=D**-0.5)
+    out = ba.block_attention_metal(q, k, v, ck, cv, scale=D**-0.5, chunk=chunk)
+    assert -(-(n_ctx + B) // chunk) == SPIKE_CHUNKS
+    _check(out, ref, mx.float32)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("spike_chunk", range(SPIKE_CHUNKS))
+def test_kernel_merges_a_score_spike_in_any_chunk(metal_backend, spike_chunk):
+    _spike_matches(spike_chunk)
+
+
+@pytest.mark.metal
+def test_spike_case_catches_a_merge_that_skips_chunk_0(metal_backend, monkeypatch):
+    """The spike cases are what notices a merge that leaves chunk 0 out of the maximum."""
+    from dflash_mlx import metal
+    from dflash_mlx.metal.kernel_file import load_kernel_file
+
+    body = load_kernel_file("block_attention.metal").bodies["dflash_block_attn_merge"]
+    first_loop = "for (int s = 0; s < n_chunks; ++s) {\n  top = max("
+    assert body.count(first_loop) == 1
+    partial, _ = ba._kernels()
+    mutated = metal.kernel(name="dflash_block_attn_merge_skips_chunk_0", input_names=["part_o", "part_m", "part_l"],
+                           output_names=["out"], source=body.replace(first_loop, first_loop.replace("s = 0", "s = 1")),
+                           header=load_kernel_file("block_attention.metal").header)
+    monkeypatch.setattr(ba, "_kernels", lambda: (partial, mutated))
+    with pytest.raises(AssertionError):
+        _spike_matches(0)
+    for spike_chunk in range(1, SPIKE_CHUNKS):  # a spike elsewhere: the mutation changes nothing
+        _spike_matches(spike_chunk)
 
 
 @pytest.mark.metal

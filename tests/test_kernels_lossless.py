@@ -12,6 +12,7 @@ from cache_compare import CONFIGS, build
 from dflash_mlx.metal import block_attention as ba
 from dflash_mlx.metal import gdn_tape as gt
 from dflash_mlx.metal import verify_qmm as vq
+from kernel_cases import metal_backend  # noqa: F401  (the fixture: both contractions off a Mac)
 from tiny import build_target, greedy, make_drafter, prompt_ids, run_dflash
 
 MAX_TOKENS = 12

@@ -364,3 +364,25 @@ def test_factory_routes_to_the_installed_backend(monkeypatch):
         (out,) = EXP(**call)
     assert metal.available() is False
     np.testing.assert_allclose(np.array(out), np.exp(np.arange(8)), rtol=1e-6)
+
+
+@needs_emulator
+@pytest.mark.parametrize("contract", ["off", "fast"])
+def test_contraction_flag_sets(contract):
+    """Contraction "off" rounds a product before the add; "fast" fuses it into one fma, across statements, where
+    g++ can (each flag set compiles and caches objects of its own)."""
+    if contract == "fast" and not emulator.fma_contraction_fuses():
+        pytest.skip("this CPU has no fused multiply-add for g++ to use")
+    fmadd = emulator.metal_kernel(name="contract", input_names=["a", "b", "c"], output_names=["out"], source="""
+        uint i = thread_position_in_grid.x;
+        float p = a[i] * b[i];
+        out[i] = p + c[i];
+    """)
+    a = mx.array([1 + 2.0**-12], dtype=mx.float32)  # a * a = 1 + 2^-11 + 2^-24, a tie that rounds down to even
+    with emulator.contraction(contract):
+        (out,) = fmadd(inputs=[a, a, -(1 + 2.0**-11) * mx.ones(1)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                       output_shapes=[(1,)], output_dtypes=[mx.float32])
+    assert out.item() == (2.0**-24 if contract == "fast" else 0.0)
+    with pytest.raises(ValueError, match="contraction must be one of"):
+        with emulator.contraction("on"):
+            pass

@@ -84,7 +84,13 @@ def test_pre_norm_with_threadgroup_sums(kernels, dim):
     np.testing.assert_allclose(np.array(out), np.array(mx.fast.rms_norm(stream, norm.weight, 1e-5)), atol=1e-5)
 
 
-def test_gated_delta_kernels(gated_delta):
+@pytest.mark.parametrize("contract", ["off", "fast"])  # multiply-adds never fused; fused wherever g++ can
+def test_gated_delta_kernels(gated_delta, contract):
+    with emulator.contraction(contract):
+        _gated_delta_kernels(gated_delta)
+
+
+def _gated_delta_kernels(gated_delta):
     b, t, hk, hv, dk, dv = 1, 3, 1, 2, 128, 16  # Dk = 128 with a scalar gate takes the packed kernel
     key = iter(mx.random.split(mx.random.key(7), 8))
     q = mx.random.normal((b, t, hk, dk), key=next(key)) * 0.1

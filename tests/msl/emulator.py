@@ -16,7 +16,8 @@ Usage (tests):
 
 What happens on a call: the kernel text is linted (source.lint), the signature MLX would generate is written in
 front of the body (source.signature), and header + signature + body are compiled with g++ against msl_shim.h
-(cached on disk by a hash of all the text, so each distinct kernel compiles once per machine). The grid then runs
+(cached on disk by a hash of all the text and the flags, so each distinct kernel compiles once per machine and
+flag set; `contraction("fast")` compiles with multiply-adds fused wherever g++ can). The grid then runs
 twice through ctypes, threads as fibers: forward order with outputs pre-filled with one poison value, reverse
 order (threadgroups and threads) with another. The call raises `Fault` when
 - the two runs differ (a missing threadgroup_barrier, or threadgroups that depend on each other),
@@ -34,6 +35,7 @@ import ctypes
 import hashlib
 import importlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -49,11 +51,12 @@ from . import dtypes
 from .source import (LintError, Param, for_gcc, instantiation, kernel_name, lint, signature, template_text,
                      used_attributes)
 
-__all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "rebuilt", "EmulatedKernel"]
+__all__ = ["CompileError", "Fault", "LintError", "metal_kernel", "installed", "rebuilt", "contraction",
+           "EmulatedKernel"]
 
 HERE = Path(__file__).resolve().parent
 GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-fsingle-precision-constant", "-fno-strict-aliasing",
-             "-ffp-contract=off", "-fno-exceptions", "-fno-rtti",
+             "-fno-exceptions", "-fno-rtti",
              # Metal's attributes ([[buffer(0)]], [[kernel]]) and clang pragmas mean nothing to g++
              "-Wno-attributes", "-Wno-unknown-pragmas", "-Wno-narrowing",
              # reading a variable before it is set, or falling off the end of a function: undefined on a GPU too
@@ -61,6 +64,27 @@ GXX_FLAGS = ["-std=gnu++17", "-O1", "-fPIC", "-shared", "-fsingle-precision-cons
 STACK_BYTES = 256 * 1024  # per GPU thread; only the pages a thread touches are ever backed
 TIMEOUT_ENV = "DFLASH_MLX_MSL_TIMEOUT"  # seconds one run of a launch may take (default 120)
 CFLAGS_ENV = "DFLASH_MLX_MSL_CFLAGS"  # extra g++ flags
+
+
+def _fma_isa() -> list[str]:
+    """The flag that gives g++ fused multiply-add instructions: x86-64's baseline has none (aarch64's has)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        has_fma = " fma " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        has_fma = False
+    return ["-mfma"] if has_fma else []
+
+
+# Multiply-add contraction, one of the compiler's freedoms that the Metal compiler may also take. "off": every
+# product is rounded before it is added (the default). "fast": g++ fuses a * b + c into one fma wherever it can,
+# across statements too, so a kernel whose results depend on what gets fused shows it. Each flag set compiles and
+# caches its own objects (the flags are part of the cache key).
+# (At -O1, g++ forms fused multiply-adds only with -fexpensive-optimizations, which -O2 would turn on.)
+CONTRACTION = {"off": ["-ffp-contract=off"],
+               "fast": ["-ffp-contract=fast", "-fexpensive-optimizations", *_fma_isa()]}
+_contraction = "off"
 
 
 class CompileError(RuntimeError):
@@ -114,9 +138,32 @@ def _shim_text() -> str:
 
 
 def gxx_flags() -> list[str]:
-    """GXX_FLAGS plus DFLASH_MLX_MSL_CFLAGS (e.g. "-O0 -g" to debug a kernel, "-DMSL_UCONTEXT" for the portable
-    fiber switch)."""
-    return GXX_FLAGS + os.environ.get(CFLAGS_ENV, "").split()
+    """GXX_FLAGS, the current contraction's flags (see `contraction`), then DFLASH_MLX_MSL_CFLAGS (e.g. "-O0 -g" to
+    debug a kernel, "-DMSL_UCONTEXT" for the portable fiber switch)."""
+    return GXX_FLAGS + CONTRACTION[_contraction] + os.environ.get(CFLAGS_ENV, "").split()
+
+
+def fma_contraction_fuses() -> bool:
+    """Whether "fast" contraction really fuses here (an FMA instruction set g++ may use)."""
+    return platform.machine() not in ("x86_64", "AMD64") or bool(_fma_isa())
+
+
+def current_contraction() -> str:
+    """The contraction kernels compile with now: "off" or "fast"."""
+    return _contraction
+
+
+@contextmanager
+def contraction(mode: str) -> Iterator[None]:
+    """Compile every kernel called inside the block with multiply-add contraction `mode` ("off" or "fast")."""
+    global _contraction
+    if mode not in CONTRACTION:
+        raise ValueError(f"contraction must be one of {sorted(CONTRACTION)}, not {mode!r}")
+    previous, _contraction = _contraction, mode
+    try:
+        yield
+    finally:
+        _contraction = previous
 
 
 def compile_unit(unit: str) -> ctypes.CDLL:
@@ -349,9 +396,10 @@ def rebuilt(module_names: Sequence[str]) -> Iterator[list]:
 
 
 @contextmanager
-def installed() -> Iterator[None]:
-    """Route every `dflash_mlx.metal.kernel` through the emulator inside the block."""
+def installed(contract: str = "off") -> Iterator[None]:
+    """Route every `dflash_mlx.metal.kernel` through the emulator inside the block, compiled with multiply-add
+    contraction `contract` ("off" or "fast", see `contraction`)."""
     from dflash_mlx import metal
 
-    with metal.use_backend(metal_kernel):
+    with metal.use_backend(metal_kernel), contraction(contract):
         yield
