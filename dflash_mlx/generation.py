@@ -13,7 +13,8 @@ prefix cache, the bench into timed chunks. The rules that used to live in each o
   when sampled output must be reproducible (a seed and a non-greedy acceptor) from a fixed cost model instead of
   the clock; then wrapped by the installed coordinator (several ranks must choose alike, see
   `width.install_coordinator`: the distributed layer installs one, the core never imports it);
-- statistics (`stats.AcceptanceStats`) and the acceptance-collapse watch, one warning per generation;
+- statistics (`stats.AcceptanceStats`) and the acceptance-collapse watch: one warning per generation, logged when
+  the generation ends (after its last text), so that it never splits the text a terminal is showing;
 - detokenization: each committed token's text segment, as mlx-lm's streaming detokenizer gives it.
 """
 
@@ -68,7 +69,8 @@ class Generation:
         state: caches to continue from; history: tokens already in those caches (logits processors see them).
         stop_tokens: extra stop ids (the tokenizer's EOS ids always stop).
         tokenizer_lock: held while detokenizing (the server shares its tokenizer with other threads).
-        warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted.
+        warn_collapse: log one warning (logger "dflash_mlx") when drafts were almost never accepted, once the
+            generation has ended; `collapse_warning` holds it from the pass where it was noticed.
         prefill_step_size, prefill_progress, mask_token_id, profiler: as `engine.dflash_generate_step` takes them.
     """
 
@@ -100,6 +102,7 @@ class Generation:
         self.stats = AcceptanceStats(adaptive=self.adaptive)
         self.watch = CollapseWatch() if warn_collapse else None
         self.collapse_warning: Optional[str] = None
+        self._warned = False
         self.drafted = self.accepted = 0  # draft tokens proposed / accepted over the verify passes
         self.tokens_generated = 0
         self.prefill_seconds = self.started = 0.0
@@ -139,11 +142,18 @@ class Generation:
             yield Pass(cycle.tokens, cycle.accepted, cycle.width, cycle.logits, cycle.is_prefill,
                        self._segments(cycle.tokens, finish), finish)
             if finish:
-                return
+                break
+        self._warn()
 
     def close(self) -> None:
         """Stop early: a queued verify pass is rolled out of the caches at once (they hold the committed tokens)."""
         self._cycles.close()
+        self._warn()
+
+    def _warn(self) -> None:
+        if self.collapse_warning and not self._warned:
+            self._warned = True
+            logger.warning(self.collapse_warning)
 
     def __enter__(self) -> "Generation":
         return self
@@ -158,8 +168,7 @@ class Generation:
         self.accepted += accepted
         message = self.watch.check(self.stats) if self.watch else None
         if message:
-            self.collapse_warning = message
-            logger.warning(message)
+            self.collapse_warning = message  # logged when the generation ends: see `_warn`
 
     def _segments(self, tokens: List[int], finish: Optional[str]) -> List[str]:
         if self._detokenizer is None:

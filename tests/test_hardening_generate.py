@@ -103,3 +103,23 @@ def test_bench_binary_prompts_file(pair, tmp_path, capsys):
     code, line = _run(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompts", str(binary),
                        "--num-prompts", "1", "--max-tokens", "2"], capsys)
     assert code == 2 and "not UTF-8 text" in line
+
+
+def test_collapse_warning_waits_for_the_end_of_the_text(pair, caplog):
+    """A warning must not split the streamed text: nothing is logged while responses are still coming."""
+    import logging
+
+    from dflash_mlx import api
+    from dflash_mlx.width import WidthPolicy, nominal_cost
+
+    model, tokenizer, drafter = api.load(str(pair[0]), str(pair[1]))  # random drafter: drafts never accepted
+    width = WidthPolicy(drafter.block_size, cost=nominal_cost)
+    seen_during = []
+    with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
+        responses = []
+        for r in api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=80, width=width):
+            responses.append(r)
+            seen_during.append(any("acceptance collapsed" in x.getMessage() for x in caplog.records))
+        after = [x for x in caplog.records if "acceptance collapsed" in x.getMessage()]
+    assert responses[-1].finish_reason is not None
+    assert not any(seen_during) and len(after) == 1
