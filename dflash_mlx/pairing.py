@@ -1,4 +1,7 @@
-"""Checks that a drafter fits a target before any token is drafted; each failure is one actionable line."""
+"""Checks that a drafter fits a target before any token is drafted; each failure is one actionable line.
+
+`check_pair` only checks: it changes neither the target nor the drafter (`loading.prepare` sets the taps).
+"""
 
 from __future__ import annotations
 
@@ -30,5 +33,4 @@ def check_pair(target: TargetModel, config: DFlashConfig) -> None:
         raise DFlashError(
             f"drafter mask_token_id {config.mask_token_id} is outside the target vocabulary (0..{target.vocab_size - 1})"
         )
-    # Raises its own clear error for out-of-range layer ids.
-    target.set_taps(config.target_layer_ids)
+    target.check_taps(config.target_layer_ids)  # its own clear error for out-of-range layer ids

@@ -3,14 +3,18 @@
 A verify block multiplies 2..16 rows by every weight matrix of a quantized target; the stock path is built for
 one row (decode) or for many (prefill). The kernel (`verify_qmm.metal`) reads each packed weight once for all
 rows. The reference is `mx.quantized_matmul` itself. `VerifyQuantizedLinear` is mlx's `QuantizedLinear` with
-the dispatcher in its call (same parameters, same results up to summation order); `use_verify_qmm(model)` puts
-it in place of a model's `QuantizedLinear` layers the way `nn.quantize` swaps `Linear` for `QuantizedLinear`.
+the dispatcher in its call (same parameters, same results up to summation order).
+
+`VerifyQmmScope(model)` routes a model's `QuantizedLinear` layers through the dispatcher only inside
+`with scope:` (the target's own passes): the layers keep their identity and get their class back on exit, so the
+user's model, called by mlx-lm or anything else, runs mlx's stock layers. `use_verify_qmm(model)` is the explicit,
+permanent opt-in: it puts `VerifyQuantizedLinear` copies in place of the layers, as `nn.quantize` swaps `Linear`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -113,3 +117,37 @@ def use_verify_qmm(model: nn.Module) -> int:
 
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
     return count
+
+
+class VerifyQmmScope:
+    """`with scope:` runs `model`'s stock `nn.QuantizedLinear` layers as `VerifyQuantizedLinear` (the same objects,
+    their class switched), and gives them their own class back on exit. A no-op where kernels are off (the CPU).
+
+    Re-entrant (nested passes, e.g. the head inside a forward). Switching a class is a pointer write per layer, so
+    entering per pass costs next to nothing; MLX builds its graph during the call, so the kernel choice is made
+    inside the block even though the graph is evaluated later.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._layers: Optional[List[nn.QuantizedLinear]] = None  # found on first use where kernels are on
+        self._switched: List[nn.QuantizedLinear] = []
+        self._depth = 0
+
+    def __enter__(self) -> "VerifyQmmScope":
+        if self._depth == 0 and kernels_on():
+            if self._layers is None:
+                self._layers = [m for m in self.model.modules() if type(m) is nn.QuantizedLinear]
+            # Only layers still stock: one the user swapped meanwhile is theirs to keep.
+            self._switched = [m for m in self._layers if type(m) is nn.QuantizedLinear]
+            for m in self._switched:
+                m.__class__ = VerifyQuantizedLinear
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            switched, self._switched = self._switched, []
+            for m in switched:
+                m.__class__ = nn.QuantizedLinear

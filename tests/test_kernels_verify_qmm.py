@@ -81,8 +81,9 @@ def test_kernel_matches_quantized_matmul(metal_backend, case, dtype):
 
 
 @pytest.mark.metal
-def test_quantized_target_verify_through_the_kernel(metal_backend):
-    """A 4-bit tiny target: a 5-token verify with its linears on the kernel matches mlx's own quantized matmul."""
+def test_quantized_target_verify_through_the_kernel(metal_backend, monkeypatch):
+    """A 4-bit tiny target: a 5-token verify with its linears on the kernel matches mlx's own quantized matmul;
+    the kernel runs inside the target's pass only, and the model keeps mlx's own layers."""
     from tiny import build_target
 
     model = build_target("qwen3")
@@ -90,10 +91,14 @@ def test_quantized_target_verify_through_the_kernel(metal_backend):
     ids = mx.array([[5, 17, 3, 42, 8, 11]], dtype=mx.int32)
     with kernels_enabled(False):
         ref = TargetModel(model)(ids)[0]
+    calls = []
+    kernel = vq.verify_qmm_metal
+    monkeypatch.setattr(vq, "verify_qmm_metal", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     with kernels_enabled(True):
         t = TargetModel(model)
-        assert any(isinstance(m, vq.VerifyQuantizedLinear) for _, m in model.named_modules())
         out = t(ids)[0]
+        assert calls, "the target's verify pass did not take the kernel"
+        assert not any(isinstance(m, vq.VerifyQuantizedLinear) for _, m in model.named_modules())
     err = mx.abs(out - ref).max().item()
     assert err <= 1e-4 * max(1.0, mx.abs(ref).max().item()), f"max logit error {err:.3g}"
 

@@ -3,7 +3,9 @@
 mlx-lm splits the layers in reverse: the last rank runs the first layers and rank 0 the last ones. A forward pass
 receives the hidden state from the rank before, runs this stage, sends it on, and every rank gets rank 0's final
 hidden state (an all-gather), so logits, acceptance and drafting agree everywhere. `PipelineTarget` walks one stage
-the way the model's own call does, keeping the taps this stage owns.
+the way the model's own call does, keeping the taps this stage owns. The core never builds one by itself:
+`make_target(model)` does, and importing this module installs the class with the core (`register_target_class`),
+so `prepare(model, drafter)` on a pipelined model gets a `PipelineTarget` too.
 
 The tapped layers live on different ranks, and the drafter (on every rank) needs all of them, but only for
 committed positions. So a stage returns its partial taps (zeros where another stage owns the tap) and
@@ -13,12 +15,12 @@ rejected positions never travel.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..targets.adapter import TargetModel
+from ..targets.adapter import TargetModel, register_target_class, split_into_stages
 
 
 class _Stage:
@@ -58,9 +60,13 @@ class _EagerModel:
 
 
 class PipelineTarget(TargetModel):
-    """A `TargetModel` for one pipeline stage. `TargetModel(model)` returns one for a pipelined model."""
+    """A `TargetModel` for one pipeline stage (see `make_target`)."""
 
     stage_aware = True
+
+    @classmethod
+    def claims(cls, model: nn.Module) -> bool:
+        return split_into_stages(model)
 
     def probe_parity(self, *args, **kwargs) -> float:
         # The probe leaves some of the model's own passes lazy until a later comparison; evaluated together with
@@ -94,7 +100,7 @@ class PipelineTarget(TargetModel):
         start, end = self.inner.start_idx, self.inner.start_idx + len(self.layers)
         return [i for i in self.tap_layer_ids if start <= i < end]
 
-    def __call__(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
+    def forward(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
         """Logits [1, T, V] (the same on every rank) and this stage's partial taps [1, T, n*H]."""
         inner, layers = self.inner, self.layers
         h = self.embed(ids)
@@ -120,6 +126,18 @@ class PipelineTarget(TargetModel):
         # rank: a rank that met the collectives in another order would wait forever.
         partial = mx.depends(partial, h)
         return logits, partial
+
+
+def make_target(model: nn.Module, tap_layer_ids: Sequence[int] = (), **kwargs: Any) -> TargetModel:
+    """The target for `model`: a `PipelineTarget` for a model split into stages, else a plain `TargetModel`.
+    Hand it to `dflash_mlx.loading.prepare(target, drafter)`."""
+    cls = PipelineTarget if PipelineTarget.claims(model) else TargetModel
+    return cls(model, tap_layer_ids, **kwargs)
+
+
+# The core builds plain targets only; this is how `build_target` (and so `prepare(model, drafter)`) builds a
+# stage's.
+register_target_class(PipelineTarget)
 
 
 class FeatureExchange:

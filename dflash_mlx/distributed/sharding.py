@@ -23,7 +23,7 @@ from ..targets.adapter import model_type_of
 from ..loading import check_family
 from ..targets.families import text_lm
 from .group import barrier, rank0_first, setup
-from .pipeline import FeatureExchange
+from .pipeline import FeatureExchange, make_target
 
 # Config fields mlx-lm's `shard` splits evenly across ranks.
 _HEAD_FIELDS = ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads")
@@ -146,7 +146,7 @@ def load(
     model = load_sharded_model(str(path), group, pipeline)
     config = json.loads((path / "config.json").read_text())
     tokenizer = load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
-    prepare(model, draft_model, probe=True)
+    prepare(make_target(model), draft_model, probe=True)  # a stage's target for a pipeline, built here
     if pipeline:
         draft_model = FeatureExchange(draft_model)
     return model, tokenizer, draft_model

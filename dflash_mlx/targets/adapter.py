@@ -7,10 +7,18 @@ time that this walk reproduces the model's own logits, and that a rolled-back ca
 Rollback: `make_cache` gives every layer a cache whose `trim(n)` drops the newest n tokens exactly: mlx-lm's
 `KVCache` for full attention, `WindowKVCache` (rotating.py) for sliding-window layers, `GatedDeltaCache`
 (hybrid.py) for GatedDeltaNet layers.
+
+Quantized targets on Metal: only inside the target's own passes are its `QuantizedLinear` layers routed through
+the verify-width kernel (`VerifyQmmScope`); outside them, the model is the user's, untouched.
+
+Other kinds of target (a pipeline stage) are built by the code that made such models (`dflash_mlx.distributed`),
+which hands them over ready, or installs their class (`register_target_class`) for `build_target` to use; the core
+imports nothing of them.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -18,8 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import DFlashError
-from ..metal import available as metal_available
-from ..metal.verify_qmm import use_verify_qmm
+from ..metal.verify_qmm import VerifyQmmScope
 from .families import Family, family_for, supported_model_types, text_lm
 from .hybrid import GatedDeltaCache, RecurrentRollback, default_rollback
 from .rotating import WindowKVCache
@@ -30,18 +37,28 @@ def model_type_of(model: nn.Module) -> Optional[str]:
     return getattr(model, "model_type", None) or getattr(args, "model_type", None)
 
 
+def split_into_stages(model: nn.Module) -> bool:
+    """Whether mlx-lm's `pipeline()` split this model into stages (then a plain walk would run one stage only)."""
+    return getattr(getattr(text_lm(model), "model", None), "pipeline_size", 1) > 1
+
+
 class TargetModel:
     """An mlx-lm causal LM plus the bookkeeping DFlash needs: tapped forward, rollback, embedding and head."""
 
     stage_aware = False  # whether this class runs one stage of a pipeline-parallel model
 
-    def __new__(cls, model: nn.Module, *args, **kwargs):
-        # A model split into pipeline stages (mlx-lm's `pipeline()`) gets the stage-aware subclass.
-        if not cls.stage_aware and getattr(getattr(text_lm(model), "model", None), "pipeline_size", 1) > 1:
-            from ..distributed.pipeline import PipelineTarget
-
-            cls = PipelineTarget
+    def __new__(cls, model: Optional[nn.Module] = None, *args: Any, **kwargs: Any):
+        # Transitional, for callers that still write `TargetModel(model)` for a model an installed class claims
+        # (a pipeline stage, once dflash_mlx.distributed is imported); new code calls `build_target` or the
+        # installing side's own builder. With nothing installed it is a `TargetModel`. (`copy` passes no model.)
+        if cls is TargetModel and model is not None:
+            cls = target_class(model)
         return super().__new__(cls)
+
+    @classmethod
+    def claims(cls, model: nn.Module) -> bool:
+        """Whether `build_target` should use this class for `model` (for installed subclasses)."""
+        return False
 
     def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int] = (),
                  recurrent_rollback: Optional[RecurrentRollback] = None):
@@ -56,8 +73,8 @@ class TargetModel:
         self.lm = text_lm(model)
         self.inner = family.inner(self.lm)
         self.recurrent_rollback = recurrent_rollback or default_rollback()
-        if metal_available():  # quantized layers: verify-width rows through the kernel (dflash_mlx.metal.verify_qmm)
-            use_verify_qmm(self.lm)
+        # Quantized layers: verify-width rows through the kernel, during our passes only (a no-op off Metal).
+        self.verify_qmm = VerifyQmmScope(self.lm)
         self.tap_layer_ids: List[int] = []
         self.set_taps(tap_layer_ids)
 
@@ -79,18 +96,38 @@ class TargetModel:
     def vocab_size(self) -> int:
         return int(self.inner.embed_tokens.weight.shape[0])
 
-    def set_taps(self, tap_layer_ids: Sequence[int]) -> None:
+    def check_taps(self, tap_layer_ids: Sequence[int]) -> None:
+        """Raise one clear error when a layer id is out of range; changes nothing."""
         bad = [i for i in tap_layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise DFlashError(
                 f"drafter taps target layers {list(tap_layer_ids)} but the target has {self.num_layers} layers "
                 f"(valid ids 0..{self.num_layers - 1}); the drafter was made for a different target"
             )
+
+    def set_taps(self, tap_layer_ids: Sequence[int]) -> None:
+        self.check_taps(tap_layer_ids)
         self.tap_layer_ids = list(tap_layer_ids)
+
+    def with_taps(self, tap_layer_ids: Sequence[int]) -> "TargetModel":
+        """This target if it taps exactly these layers, else a copy that does (same class, model and rollback):
+        a target someone holds keeps its taps."""
+        if list(tap_layer_ids) == self.tap_layer_ids:
+            return self
+        other = copy.copy(self)
+        other.set_taps(tap_layer_ids)
+        return other
+
+    def _check_whole(self) -> None:
+        # A plain walk of one pipeline stage would run part of the model and skip the stages' send and receive.
+        if not self.stage_aware and split_into_stages(self.model):
+            raise DFlashError("this target is split into pipeline stages: build its target with "
+                              "dflash_mlx.distributed.pipeline.make_target(model) (or dflash_mlx.distributed.load)")
 
     # -- forward ---------------------------------------------------------------------------------------------
     def make_cache(self) -> List[Any]:
         """The model's own caches, with the ones mlx-lm cannot trim swapped for rollback-capable subclasses."""
+        self._check_whole()
         caches = []
         for c in make_prompt_cache(self.model):
             if type(c) is RotatingKVCache:
@@ -109,7 +146,8 @@ class TargetModel:
 
         Final norm is not included: `h` must already be normed (the drafter applies its own norm).
         """
-        logits = self.family.head(self.lm, self.inner, h)
+        with self.verify_qmm:  # a quantized LM head: the drafter's block rows take the kernel too
+            logits = self.family.head(self.lm, self.inner, h)
         cap = self.final_logit_softcapping
         if softcap and cap:
             logits = mx.tanh(logits / cap) * cap  # bit-identical to mlx-lm's compiled logit_softcap
@@ -122,6 +160,12 @@ class TargetModel:
 
     def __call__(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
         """Logits [1, T, V] and tapped features [1, T, n*H] (output of decoder layer k for each tapped k)."""
+        with self.verify_qmm:
+            return self.forward(ids, cache)
+
+    def forward(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
+        """`__call__`'s pass itself (subclasses walk differently; the call wraps it in the kernel scope)."""
+        self._check_whole()
         h, taps = self.family.forward(self.family, self.lm, self.inner, ids, cache, set(self.tap_layer_ids))
         logits = self.head(self.inner.norm(h))
         feats = [taps[i] for i in self.tap_layer_ids]
@@ -186,3 +230,24 @@ class TargetModel:
         step = ids[:, n + keep : n + keep + 1]
         compare(self(step, ours_cache)[0], self.model(step, cache=fresh), "step after rollback", tolerance=5e-2)
         return worst
+
+
+# Target classes other subsystems install for models they made (`register_target_class`), asked in order.
+_classes: List[type] = []
+
+
+def register_target_class(cls: type) -> None:
+    """Have `build_target` use `cls` (a `TargetModel` subclass) for every model `cls.claims(model)` is true of,
+    e.g. a pipeline stage's target. Installing the same class twice keeps one."""
+    if cls not in _classes:
+        _classes.append(cls)
+
+
+def target_class(model: nn.Module) -> type:
+    """The class `build_target` uses for `model`: an installed class that claims it, else `TargetModel`."""
+    return next((cls for cls in _classes if cls.claims(model)), TargetModel)
+
+
+def build_target(model: nn.Module, tap_layer_ids: Sequence[int] = (), **kwargs: Any) -> TargetModel:
+    """The target for `model`, of the class `target_class` names."""
+    return target_class(model)(model, tap_layer_ids, **kwargs)
