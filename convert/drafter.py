@@ -42,10 +42,10 @@ def convert_drafter(
     if q_bits is not None:
         check_quantization(q_bits, q_group_size)
     out = Path(out).expanduser()
-    if out.resolve() == Path(source).expanduser().resolve():
-        # The source tensors are read lazily from the file we would overwrite.
-        raise DFlashError(f"output directory '{out}' is the source directory; choose another one")
-    check_output_dir(out, force)  # before any download
+    local = Path(source).expanduser()
+    # The source tensors are read lazily while `out` is written, and --force deletes the old `out`: the two
+    # must not overlap (checked before any download, and again on the downloaded snapshot).
+    check_output_dir(out, force, sources=[local] if local.exists() else [])
     path = resolve_checkpoint(source, revision)
     drafter = read_drafter(path)
     if drafter.config.quantization:
@@ -53,6 +53,6 @@ def convert_drafter(
     drafter.set_dtype(target_dtype)
     if q_bits is not None:
         quantize_drafter(drafter, q_bits, q_group_size)
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, sources=[path]) as tmp:
         save_drafter(drafter, tmp)
     return out

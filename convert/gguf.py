@@ -80,6 +80,8 @@ class GGUFFile:
         from gguf import GGUFReader
 
         self.path = Path(path).expanduser()
+        if self.path.is_dir():
+            raise DFlashError(f"GGUF file '{self.path}' is a folder; give the .gguf file itself")
         if not self.path.is_file():
             raise DFlashError(f"GGUF file '{self.path}' does not exist")
         try:
@@ -339,7 +341,9 @@ def convert_gguf(
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
     if q_bits is not None and q_group_size not in (32, 64, 128):
         raise DFlashError(f"--q-group-size must be 32, 64 or 128, got {q_group_size}")
-    out = check_output_dir(out, force)
+    # --force deletes the old `out`: it must not hold the GGUF file being read.
+    source = Path(path).expanduser()
+    out = check_output_dir(out, force, sources=[source] if source.is_file() else [])
 
     gguf = GGUFFile(path)
     spec = arch_spec(gguf)
@@ -362,7 +366,7 @@ def convert_gguf(
         model, config = quantize_model(model, config, q_group_size, q_bits)
     mx.eval(model.parameters())
 
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, sources=[gguf.path]) as tmp:
         save_model(tmp, model, donate_model=True)
         save_config(config, tmp / "config.json")
         save_tokenizer(tokenizer, tmp)

@@ -51,9 +51,14 @@ def convert_target(
     dtype = dtype_name(dtype) if dtype is not None else None
     if q_bits is None and dtype is None:
         raise DFlashError("nothing to do: give --q-bits 4|8 and/or --dtype fp32|bf16|fp16")
-    out = check_output_dir(out, force)
     local = Path(source).expanduser()
+    # --force deletes the old `out`, and mlx-lm reads the source while writing: they must not overlap.
+    sources = [local] if local.exists() else []
+    out = check_output_dir(out, force, sources)
     if local.exists():
+        if not local.is_dir():
+            raise DFlashError(f"target '{source}' is a file; give the model's folder (the one holding "
+                              "config.json and the *.safetensors files)")
         config_file = local / "config.json"
         if not config_file.is_file():
             raise DFlashError(f"target '{source}' has no config.json; pass an mlx-lm or Hugging Face model directory")
@@ -63,12 +68,10 @@ def convert_target(
             raise DFlashError(f"cannot parse {config_file}: {e}") from None
         if q_bits is not None and (config.get("quantization") or config.get("quantization_config")):
             raise DFlashError(f"target '{source}' is already quantized; convert from the unquantized model")
-        if out.resolve() == local.resolve():
-            raise DFlashError("the output directory is the source directory; choose another one")
     elif not is_repo_id(source):
         raise DFlashError(f"target '{source}' not found: give a local model directory or a hub repo id (org/name)")
 
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, sources) as tmp:
         tmp.rmdir()  # mlx-lm's converter creates its output folder itself and refuses an existing one
         try:
             mlx_lm_convert(str(local) if local.exists() else source, str(tmp), quantize=q_bits is not None,

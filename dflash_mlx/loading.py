@@ -63,6 +63,9 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
     warn_if_skipped()
 
     local = Path(path_or_repo).expanduser()
+    if local.exists() and not local.is_dir():
+        raise DFlashError(f"target '{path_or_repo}' is a file; give the model's folder (the one holding config.json "
+                          "and the *.safetensors files)")
     if local.exists() and not (local / "config.json").is_file():
         raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")
     if not local.exists() and (path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1):

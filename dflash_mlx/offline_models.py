@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import errno
 import fcntl
 import hashlib
 import os
@@ -146,12 +147,29 @@ def is_installed(name: str, dtype: str = "float32", q_bits: Optional[int] = None
     return (model_dir(get_model(name), dtype, q_bits, q_group_size) / "config.json").is_file()
 
 
+def _home_error(root: Path, e: OSError) -> DFlashError:
+    """One line for a cache folder that cannot be written: which folder, why, and what to set instead."""
+    origin = "DFLASH_MLX_HOME" if os.environ.get("DFLASH_MLX_HOME") else "the default cache folder"
+    if root.exists() and not root.is_dir():
+        reason = "it is a file"
+    elif e.errno == errno.ENOTDIR:
+        reason = "a part of its path is a file"
+    else:
+        reason = (e.strerror or str(e)).lower()
+    return DFlashError(f"cannot write the model cache '{root}' ({origin}): {reason}; set DFLASH_MLX_HOME to a "
+                       "folder you can write to")
+
+
 @contextmanager
 def _lock(name: str) -> Iterator[None]:
     """One installer per model at a time, across processes (tests and benchmarks may race)."""
     root = home()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{name}.lock", "w") as f:
+    try:  # the first write into the cache: a read-only or misnamed $DFLASH_MLX_HOME is reported here
+        root.mkdir(parents=True, exist_ok=True)
+        f = open(root / f".{name}.lock", "w")
+    except OSError as e:
+        raise _home_error(root, e) from None
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -70,6 +70,9 @@ def read_json(file: Path, missing: str, unparsable: Callable[[Exception], str]) 
 def check_model_dir(path: Union[str, Path], what: str = "target") -> None:
     """A local model folder: readable config.json with a model_type, and complete safetensors files."""
     path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise DFlashError(f"{what} '{path}' is a file; give the model's folder (the one holding config.json and the "
+                          "*.safetensors files)")
     config = path / "config.json"
     raw = read_json(config, f"{what} '{path}' has no config.json; point at an mlx-lm model folder",
                     lambda e: f"{what} config {config} cannot be parsed ({e}); restore or re-download it")
