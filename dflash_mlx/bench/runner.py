@@ -112,7 +112,7 @@ def _environment() -> Dict[str, str]:
 
 def _build_methods(cfg: BenchConfig, model):
     from ..drafter_io import build_drafter, load_drafter
-    from ..targets import TargetModel
+    from ..targets import build_target
 
     plain = PlainMethod(model, cfg.temp)
     drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft else None
@@ -136,7 +136,7 @@ def _build_methods(cfg: BenchConfig, model):
                                        adaptive=True, label="random"))
     oracles: List[Method] = []
     if cfg.oracle:
-        bare = TargetModel(model)  # no taps: the oracle reads no features
+        bare = build_target(model)  # no taps: the oracle reads no features
         mask = drafter.config.mask_token_id if drafter is not None else None
         if cfg.adaptive:
             oracles.append(DFlashMethod(bare, None, widest, cfg.temp, mask_token_id=mask, adaptive=True))

@@ -81,9 +81,9 @@ class Meter:
 
     def report(self, methods, records: List[dict]) -> Dict:
         """Per method: KB per pass, collectives per pass, estimated ms of communication per pass."""
-        from ..targets import TargetModel
+        from ..targets import build_target
 
-        hidden = TargetModel(self.model).hidden_size
+        hidden = build_target(self.model).hidden_size
         widths = {1}
         for rec in records:
             for run in rec["runs"].values():

@@ -47,14 +47,6 @@ class TargetModel:
 
     stage_aware = False  # whether this class runs one stage of a pipeline-parallel model
 
-    def __new__(cls, model: Optional[nn.Module] = None, *args: Any, **kwargs: Any):
-        # Transitional, for callers that still write `TargetModel(model)` for a model an installed class claims
-        # (a pipeline stage, once dflash_mlx.distributed is imported); new code calls `build_target` or the
-        # installing side's own builder. With nothing installed it is a `TargetModel`. (`copy` passes no model.)
-        if cls is TargetModel and model is not None:
-            cls = target_class(model)
-        return super().__new__(cls)
-
     @classmethod
     def claims(cls, model: nn.Module) -> bool:
         """Whether `build_target` should use this class for `model` (for installed subclasses)."""

@@ -473,7 +473,7 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
     from ..api import prepare
     from ..config import DFlashConfig
     from ..drafter_io import build_drafter
-    from ..targets import TargetModel
+    from ..targets import build_target
     from .device import features_on_device, pick_device
     from .trainer import Trainer, latest_checkpoint
     from .vocab import head_rows, maps, select_vocab
@@ -500,7 +500,7 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
         check_cache_dir(args.cache_dir)
 
     model, tokenizer, target_ref = load_target(args.target)
-    target = TargetModel(model)
+    target = build_target(model)
     identity = target_identity(model)
     check_target_options(args, target)
     args.target_layers = list(args.target_layers or default_taps(target.num_layers, args.num_layers))
