@@ -264,7 +264,7 @@ def convert(
 
     if source is None or out is None:
         raise DFlashError("convert needs SOURCE and OUT (or --gguf FILE OUT, or --target DIR_OR_REPO OUT)")
-    from .loading import dtype_name
+    from .dtypes import dtype_name
 
     dtype = dtype_name(dtype or "bf16")
     q_bits = 4 if q_bits is None else q_bits

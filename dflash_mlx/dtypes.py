@@ -12,7 +12,7 @@ SPELLINGS = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloa
 def dtype_name(name: str, flag: str = "--dtype") -> str:
     """MLX's name for a dtype spelling (`bf16` -> `bfloat16`); one clear error for anything else."""
     if name not in SPELLINGS:
-        raise DFlashError(f"unsupported dtype {name!r}; {flag} takes fp32, bf16 or fp16")
+        raise DFlashError(f"{flag} {name!r}: unsupported dtype {name!r}; choose fp32, bf16 or fp16")
     return SPELLINGS[name]
 
 

@@ -22,24 +22,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import registry
 from .drafter import DFlashDrafter, TargetBinding
+from .dtypes import dtype_name  # noqa: F401  (re-exported: commands import it from here)
 from .errors import DFlashError
+from .refs import is_repo_id
 from .hub import hub_failure
 from .pairing import check_pair
 from .targets import TargetModel, build_target, supported_model_types
 from .targets.families import family_for
 from .validate import check_model_dir
-
-# Every spelling of a weight dtype the commands accept, mapped to MLX's name for it.
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}
-
-
-def dtype_name(name: str, flag: str = "--dtype") -> str:
-    """MLX's name for a dtype spelling (`bf16` -> `bfloat16`); one clear error for anything else."""
-    if name not in DTYPES:
-        raise DFlashError(f"{flag} {name!r} is not one of fp32, bf16, fp16")
-    return DTYPES[name]
-
 
 def check_family(local: Path, shown: str, unreadable: str = "has an unreadable config.json") -> None:
     """Refuse an unsupported architecture before reading gigabytes of weights (`shown`: the target as the user
@@ -68,7 +58,7 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
                           "and the *.safetensors files)")
     if local.exists() and not (local / "config.json").is_file():
         raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")
-    if not local.exists() and (path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1):
+    if not local.exists() and not is_repo_id(path_or_repo):
         raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
     if local.exists():
         check_family(local, path_or_repo)
@@ -137,7 +127,7 @@ def drafter_location(drafter: str, revision: Optional[str] = None) -> str:
     """Local dirs load as they are; hub drafters are converted once into the cache."""
     from .hub import cached_drafter
 
-    if Path(drafter).expanduser().exists() or drafter.startswith((".", "/", "~")) or drafter.count("/") != 1:
+    if not is_repo_id(drafter):
         return drafter
     return str(cached_drafter(drafter, revision))
 

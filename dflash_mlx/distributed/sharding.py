@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import DFlashError
+from ..refs import is_repo_id
 from ..targets.adapter import model_type_of
 from ..loading import check_family
 from ..targets.families import text_lm
@@ -95,7 +96,7 @@ def target_path(target: str, revision: Optional[str] = None) -> Path:
     local = Path(target).expanduser()
     if local.exists():
         return local
-    if target.startswith((".", "/", "~")) or target.count("/") != 1:
+    if not is_repo_id(target):
         raise DFlashError(f"target '{target}' not found: give a local model directory or a hub repo id (org/name)")
     return fetch_target(target, revision)  # one line when the hub cannot serve it
 

@@ -34,7 +34,7 @@ import numpy as np
 import typer
 
 from ..errors import DFlashError
-from ..loading import dtype_name
+from ..dtypes import dtype_name
 from .trainer import LABELS, STATE_DIR, TrainConfig
 
 
