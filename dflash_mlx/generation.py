@@ -100,7 +100,9 @@ class Generation:
             width_policy = coordinate(WidthPolicy(widest, cost=nominal_cost if reproducible else None))
         self.width_policy = width_policy if self.adaptive else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)
-        self.watch = CollapseWatch() if warn_collapse else None
+        # A drafter we picked for this target by name is known to fit it; any other may be made for another one.
+        made_for = getattr(drafter, "made_for", None)
+        self.watch = CollapseWatch(made_for=made_for) if warn_collapse else None
         self.collapse_warning: Optional[str] = None
         self._warned = False
         self.drafted = self.accepted = 0  # draft tokens proposed / accepted over the verify passes

@@ -199,8 +199,10 @@ def load(
     """
     from .drafter_io import load_drafter
 
-    target_ref = path_or_hf_repo
+    target_ref, made_for = path_or_hf_repo, None
     if is_short_name(path_or_hf_repo):
+        if drafter is None:  # the drafter published (or shipped) for this very target
+            made_for = path_or_hf_repo
         target_ref, drafter = resolve_name(path_or_hf_repo, quant, drafter)
     elif quant is not None:
         raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models'); "
@@ -208,6 +210,7 @@ def load(
     if drafter is None:
         raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target)")
     draft_model = load_drafter(drafter_location(drafter, draft_revision), revision=draft_revision, fastest=True)
+    draft_model.made_for = made_for  # what a collapse warning may say of the pair (stats.CollapseWatch)
     model, tokenizer = load_target(target_ref, tokenizer_config, revision)
     prepare(model, draft_model, probe=True)
     return model, tokenizer, draft_model

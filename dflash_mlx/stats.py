@@ -4,7 +4,7 @@ widths used, and the warning when acceptance collapses."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 
 @dataclass
@@ -66,9 +66,10 @@ class CollapseWatch:
     `check` returns a message once, the first time it happens; the message says what the engine does about it.
     """
 
-    def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25):
+    def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25, made_for: Optional[str] = None):
         self.min_cycles = min_cycles
         self.max_accepted = max_accepted
+        self.made_for = made_for  # the target the drafter was published for, when it was picked by that name
         self.fired = False
 
     def check(self, stats: AcceptanceStats):
@@ -81,9 +82,14 @@ class CollapseWatch:
         else:
             action = (f"the width is fixed ({stats.format_widths()}), so DFlash is slower than plain decoding "
                       "here; leave --block-size out to let the engine fall back to plain decoding")
+        if self.made_for:
+            # The pair was checked and the drafter is the one made for this target: the prompt is the variable.
+            causes = (f"the drafter made for {self.made_for} predicts it poorly on this kind of prompt (it is weak "
+                      "on text unlike its training data)")
+        else:
+            causes = ("Likely causes: a prompt far from the drafter's training data, a weakly trained drafter, a "
+                      "drafter made for another fine-tune of this target, or a broken quantization of the drafter")
         return (
             f"acceptance collapsed: {stats.accepted_per_draft:.2f} drafts accepted per drafting pass over "
-            f"{stats.drafted_cycles} passes (tau {stats.tau:.2f}); {action}. Likely causes: a drafter made for "
-            "another target or fine-tune, wrong target_layer_ids, a broken quantization of the drafter, or a "
-            "prompt far from the drafter's training data."
+            f"{stats.drafted_cycles} passes (tau {stats.tau:.2f}); {action}. {causes[0].upper() + causes[1:]}."
         )

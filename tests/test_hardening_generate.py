@@ -123,3 +123,20 @@ def test_collapse_warning_waits_for_the_end_of_the_text(pair, caplog):
         after = [x for x in caplog.records if "acceptance collapsed" in x.getMessage()]
     assert responses[-1].finish_reason is not None
     assert not any(seen_during) and len(after) == 1
+
+
+def test_collapse_causes_fit_what_the_engine_knows(pair):
+    """The drafter picked for a target by name was made for it: the warning blames the prompt, not the pairing."""
+    from dflash_mlx import api
+    from dflash_mlx.stats import AcceptanceStats, CollapseWatch
+
+    stats = AcceptanceStats(adaptive=True)
+    for _ in range(40):
+        stats.record(0, 4)
+    known = CollapseWatch(made_for="qwen2.5-coder-0.5b").check(stats)
+    unknown = CollapseWatch().check(stats)
+    assert "made for qwen2.5-coder-0.5b predicts it poorly on this kind of prompt" in known
+    assert "another" not in known and "fine-tune" not in known
+    assert "Likely causes" in unknown and "another fine-tune of this target" in unknown
+    _, _, drafter = api.load(str(pair[0]), str(pair[1]))  # a drafter the user named: nothing is known of it
+    assert drafter.made_for is None
