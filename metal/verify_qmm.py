@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+from ..errors import DFlashError
 from .kernel_file import kernels_on, load_kernel_file
 
 MIN_ROWS, MAX_ROWS = 2, 16
@@ -37,6 +38,26 @@ def verify_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
                                bits=bits)
 
 
+def check_shapes(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], *, group_size: int,
+                 bits: int) -> None:
+    """Raise DFlashError unless x [..., K] fits an affine-quantized weight: w [N, K * bits / 32], scales (and biases)
+    [N, K / group_size]. The kernel trusts these shapes: a mismatched K or group size would read out of bounds."""
+    if w.ndim != 2 or x.ndim < 1:
+        return  # no matrix of this kind: mx.quantized_matmul says what is wrong
+    K, k_w = x.shape[-1], w.shape[1] * 32 // bits
+    problems = []
+    if K != k_w:
+        problems.append(f"the input has K = {K}, the {bits}-bit weight K = {k_w}")
+    if scales.ndim != 2 or scales.shape[0] != w.shape[0] or scales.shape[1] * group_size != k_w:
+        problems.append(f"scales of shape {tuple(scales.shape)} do not make groups of {group_size} of its {k_w} "
+                        f"values per row")
+    if biases is not None and biases.shape != scales.shape:
+        problems.append(f"biases of shape {tuple(biases.shape)} differ from the scales")
+    if problems:
+        raise DFlashError(f"quantized matmul: input of shape {tuple(x.shape)} does not match the weight of shape "
+                          f"{tuple(w.shape)}: " + "; ".join(problems))
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     from . import kernel  # the factory: mx.fast.metal_kernel on a Mac, the emulator in tests
@@ -52,7 +73,8 @@ def _kernel():
 
 
 def verify_qmm_metal(x, w, scales, biases, *, group_size, bits):
-    """The kernel; same arguments and result as `verify_qmm_reference`."""
+    """The kernel; same arguments and result as `verify_qmm_reference` (DFlashError for mismatched shapes)."""
+    check_shapes(x, w, scales, biases, group_size=group_size, bits=bits)
     K, N = x.shape[-1], w.shape[0]
     rows = x.reshape(-1, K)
     (y,) = _kernel()(
@@ -78,7 +100,10 @@ def kernel_supports(x: mx.array, w: mx.array, scales: mx.array, biases: Optional
 
 
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine") -> mx.array:
-    """The dispatcher: the kernel for verify-width inputs where Metal kernels are on, else `mx.quantized_matmul`."""
+    """The dispatcher: the kernel for verify-width inputs where Metal kernels are on, else `mx.quantized_matmul`.
+    Affine shapes are checked first (`check_shapes`), so both paths refuse a mismatch with the same DFlashError."""
+    if mode == "affine":
+        check_shapes(x, w, scales, biases, group_size=group_size, bits=bits)
     if kernels_on() and kernel_supports(x, w, scales, biases, group_size, bits, mode):
         return verify_qmm_metal(x, w, scales, biases, group_size=group_size, bits=bits)
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,

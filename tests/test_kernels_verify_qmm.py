@@ -13,7 +13,8 @@ from dflash_mlx.metal import verify_qmm as vq
 from dflash_mlx.targets import TargetModel
 
 
-from kernel_cases import DTYPES, kernels_enabled
+from dflash_mlx.errors import DFlashError
+from kernel_cases import DTYPES, kernels_enabled, metal_backend  # noqa: F401  (the fixture: both contractions)
 # (M, K, N, group_size, bits): K with a partial last sweep of the 32 lanes, N not a multiple of 4 columns.
 CASES = [(2, 384, 10, 64, 4), (16, 256, 7, 32, 8), (5, 384, 9, 128, 4), (3, 192, 5, 32, 4), (9, 128, 6, 128, 8)]
 
@@ -58,6 +59,38 @@ def test_dispatcher_takes_only_verify_widths():
     assert vq.kernel_supports(x[None, :5], w, s, b, 64, 4)  # [1, 5, K], as a layer sees a verify block
     assert not vq.kernel_supports(x[:2], w, s, b, 64, 4, mode="mxfp4")
     assert not vq.kernel_supports(x[:2], w, s, b, 64, 3)
+
+
+def _mismatched(wrong: str):
+    """(x, w, scales, biases, group_size) with x's K or the group size not the weight's."""
+    x, w, s, b = _quantized(4, 384, 8, 64, 4, mx.float32)
+    if wrong == "K":
+        return x[:, :256], w, s, b, 64
+    return x, w, s, b, 32  # the weight is quantized in groups of 64
+
+
+def _raises_one_error(x, w, s, b, gs):
+    with pytest.raises(DFlashError) as err:
+        mx.eval(vq.quantized_matmul(x, w, s, b, group_size=gs, bits=4))
+    message = str(err.value)
+    assert str(tuple(x.shape)) in message and str(tuple(w.shape)) in message, message
+
+
+@pytest.mark.parametrize("wrong", ["K", "group_size"])
+def test_dispatcher_checks_shapes_without_kernels(wrong):
+    with kernels_enabled(False):
+        _raises_one_error(*_mismatched(wrong))
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("wrong", ["K", "group_size"])
+def test_dispatcher_checks_shapes_before_the_kernel(metal_backend, wrong):
+    """The kernel would read x or the scales out of bounds: the dispatcher refuses first, with the same error."""
+    x, w, s, b, gs = _mismatched(wrong)
+    assert vq.kernel_supports(x, w, s, b, gs, 4)  # the shape is one the kernel would take
+    _raises_one_error(x, w, s, b, gs)
+    with pytest.raises(DFlashError):
+        vq.verify_qmm_metal(x, w, s, b, group_size=gs, bits=4)
 
 
 # -- kernel (Metal on a Mac, the MSL emulator elsewhere) -----------------------------------------------------------
