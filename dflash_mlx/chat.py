@@ -13,12 +13,14 @@ that fails, each prints one `error:` line and the conversation goes on as it was
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
+from . import console
 from .engine import DecodeState
 from .errors import DFlashError
 from .io_safety import write_text_atomic
@@ -35,6 +37,10 @@ HELP = """commands:
   /help            this text
   /quit            leave (Ctrl-D works too)
 Ctrl-C stops the current reply and keeps the conversation."""
+
+
+class _PrefillStopped(Exception):
+    """Raised from the prefill progress hook when the turn is stopped before its reply began."""
 
 
 class ChatSession:
@@ -129,16 +135,36 @@ class ChatSession:
 
         return DecodeState.fresh(prepare(self.model, self.drafter), self.drafter)
 
-    def send(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
-        """Add a user message and stream the reply's text; `should_stop` is polled between tokens.
+    def send(self, text: str, should_stop: Callable[[], bool] = lambda: False, *,
+             prefill_progress: Optional[Callable[[int, int], None]] = None,
+             warn: Optional[Callable[[str], None]] = None) -> Iterator[str]:
+        """Add a user message and stream the reply's text; `should_stop` is polled between tokens and after each
+        prefill chunk.
 
         The turn (user message and reply) is recorded when the reply ends or is stopped; a turn that fails (the
-        template refuses the conversation, generation raises) records nothing and re-raises.
+        template refuses the conversation, generation raises) records nothing and re-raises. A turn stopped
+        before its first token (`should_stop` during prefill, or a KeyboardInterrupt there) records nothing
+        either: `should_stop` ends the stream quietly, a KeyboardInterrupt is re-raised.
+        `prefill_progress(done, total)` is called after each prefill chunk (a progress bar); `warn(line)` gets the
+        over-context warning when the conversation is longer than the target's max_position_embeddings.
         """
         from .api import stream_generate
+        from .validate import prompt_length_warning
 
         user = {"role": "user", "content": text}
         new = self._new_tokens(self._render(self.messages + [user]))
+        if warn is not None:
+            args = getattr(self.model, "args", None)
+            message = prompt_length_warning(len(self.seen) + len(new), getattr(args, "max_position_embeddings", None))
+            if message:
+                warn(message)
+
+        def progress(done: int, total: int) -> None:
+            if prefill_progress is not None:
+                prefill_progress(done, total)
+            if should_stop():
+                raise _PrefillStopped
+
         reply, response, stopped, failed = [], None, False, False
         try:
             if self.state is None:
@@ -146,7 +172,8 @@ class ChatSession:
             self.last_prefill_tokens = len(new) + (1 if self.seen else 0)
             self.seen.extend(new)
             stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
-                                     block_size=self.block_size, state=self.state, **self.sampling)
+                                     block_size=self.block_size, state=self.state, prefill_progress=progress,
+                                     **self.sampling)
             try:
                 for response in stream:
                     self.seen.append(response.token)
@@ -157,7 +184,12 @@ class ChatSession:
                         break
             finally:
                 stream.close()  # rolls back any queued cycle
-        except Exception:  # a failure; a close (GeneratorExit) or Ctrl-C (KeyboardInterrupt) is a stop: kept
+        except _PrefillStopped:  # stopped before the reply began: the turn is not recorded
+            failed = True
+        except KeyboardInterrupt:  # Ctrl-C: a stop, kept, unless no token came yet (then nothing is recorded)
+            failed = response is None
+            raise
+        except Exception:  # a failure; a close (GeneratorExit) is a stop: kept
             failed = True
             raise
         finally:
@@ -203,6 +235,30 @@ _SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep", "seed
                   "repetition_context_size")
 
 
+def check_sampling(sampling: Dict) -> None:
+    """Raise a one-line DFlashError for a sampling value `stream_generate` would refuse (or that would make every
+    reply fail or be meaningless): numbers only, finite, in range."""
+    from .sampling import SamplingParams, check_seed
+
+    for key, value in sampling.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DFlashError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise DFlashError(f"{key} must be a finite number, got {value}")
+    params = {k: v for k, v in sampling.items() if k in ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep")
+              and v is not None}
+    SamplingParams(**params)
+    check_seed(sampling.get("seed"), "seed")
+    penalty = sampling.get("repetition_penalty")
+    if penalty is not None and not penalty > 0:
+        raise DFlashError(f"repetition_penalty must be > 0, got {penalty}")
+    size = sampling.get("repetition_context_size")
+    if size is not None and (int(size) != size or size < 1):
+        raise DFlashError(f"repetition_context_size must be a positive integer, got {size}")
+
+
 def _parse_conversation(data, path: str):
     """(system, messages, sampling, thinking) of a saved conversation, checked field by field."""
     def bad(what: str) -> DFlashError:
@@ -223,15 +279,9 @@ def _parse_conversation(data, path: str):
     if sampling is not None:
         if not isinstance(sampling, dict) or set(sampling) - set(_SAMPLING_KEYS):
             raise bad(f"'sampling' may hold only {', '.join(_SAMPLING_KEYS)}")
-        from .sampling import SamplingParams
-
-        if not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in sampling.values()):
-            raise bad("'sampling' values must be numbers")
-        params = {k: v for k, v in sampling.items() if k in ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep")
-                  and v is not None}
         try:
-            SamplingParams(**params)
-        except (DFlashError, TypeError, ValueError) as e:
+            check_sampling(sampling)
+        except DFlashError as e:
             raise bad(f"'sampling' is invalid ({e})") from None
     thinking = data.get("thinking")
     if thinking is not None and not isinstance(thinking, bool):
@@ -267,12 +317,13 @@ def _command(session: ChatSession, line: str, out) -> bool:
         session.set_system(arg)
         print(f"system prompt {'set' if arg else 'cleared'}; new conversation", file=out)
     elif name == "/temp":
+        current = session.sampling.get("temp") or 0.0
         try:
             value = float(arg)
-            if value < 0:
-                raise ValueError
-        except ValueError:
-            print("usage: /temp T with T >= 0", file=out)
+            check_sampling({"temp": value})
+        except (ValueError, DFlashError):
+            print(f"error: /temp takes a finite number >= 0 (0 = greedy), got {arg!r}; the temperature stays "
+                  f"{current}", file=out)
             return True
         session.sampling["temp"] = value
         print(f"temperature {value}", file=out)
@@ -327,6 +378,25 @@ def _tolerant_decoding(stdin):
             pass
 
 
+STOPPED_IN_PREFILL = "[stopped before the reply began; the message was not sent and the conversation is kept]"
+
+
+class _ChatPrefillBar:
+    """`console.PrefillBar` for one turn, made on the first prefill chunk (when the prompt's size is known)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = console.PrefillBar(total)
+        self.bar(done, total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _valid_text(line: str) -> bool:
     try:
         line.encode("utf-8")
@@ -374,15 +444,27 @@ def _loop(session: ChatSession, stdin, out) -> None:
             continue
         stop = [False]
         printed = False
+        bar = _ChatPrefillBar()
+        turns = len(session.messages)
         try:
             with _sigint_sets_flag(stop):
-                for segment in session.send(line.rstrip("\n"), should_stop=lambda: stop[0]):
-                    print(segment, end="", file=out, flush=True)
-                    printed = printed or bool(segment)
+                try:
+                    for segment in session.send(line.rstrip("\n"), should_stop=lambda: stop[0],
+                                                prefill_progress=bar, warn=console.warn):
+                        bar.close()
+                        print(segment, end="", file=out, flush=True)
+                        printed = printed or bool(segment)
+                finally:
+                    bar.close()
+        except KeyboardInterrupt:  # raised by a prefill hook; Ctrl-C itself sets `stop`
+            stop[0] = True
         except Exception as e:  # a template or a reply that fails: say so in one line, keep the session
             message = _one_line(e)
             if not isinstance(e, DFlashError):
                 message += "; the reply failed and the conversation is kept"
             print(f"{chr(10) if printed else ''}error: {message}", file=out, flush=True)
             continue
-        print("\n[stopped]" if stop[0] else "", file=out, flush=True)
+        if stop[0] and len(session.messages) == turns:
+            print(f"{chr(10) if printed else ''}{STOPPED_IN_PREFILL}", file=out, flush=True)
+        else:
+            print("\n[stopped]" if stop[0] else "", file=out, flush=True)

@@ -185,6 +185,8 @@ def chat(
     check_seed(seed)
     if system_prompt is not None:
         _check_text(system_prompt, "--system-prompt")
+    if history is not None and history.expanduser().is_dir():
+        raise DFlashError(f"--history {history} is a folder; give a file saved with /save")
     if history is not None and not history.expanduser().is_file():
         raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)

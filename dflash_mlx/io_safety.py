@@ -256,12 +256,15 @@ def _remove(tmp: Path) -> None:
 def write_text_atomic(path: Union[str, Path], text: str) -> Path:
     """Write `text` to `path` through a temporary file, so a reader sees the old file or the new one, never half.
 
-    The file gets the mode an overwrite in place would keep (the old file's), or for a new file the umask's."""
+    The file gets the mode an overwrite in place would keep (the old file's), or for a new file the umask's.
+    A symlink is written through: the file it points to is replaced (the temporary file sits next to it) and the
+    link is kept."""
     path = Path(path).expanduser()
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
     tmp = None
     try:
         for _ in range(100):
-            tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+            tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 break
@@ -272,10 +275,10 @@ def write_text_atomic(path: Union[str, Path], text: str) -> Path:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         try:
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
+            os.chmod(tmp, target.stat().st_mode & 0o7777)
         except FileNotFoundError:
             pass
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
