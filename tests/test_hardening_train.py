@@ -12,18 +12,15 @@ from pathlib import Path
 import pytest
 
 from dflash_mlx.cli import main
-from dflash_mlx.demo import CORPUS, make_tiny_pair
+from dflash_mlx.demo import make_tiny_pair
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
+    from tiny import training_pair
+
     root = tmp_path_factory.mktemp("hardening-train")
-    target_dir, _ = make_tiny_pair(root / "pair")
-    data = root / "data"
-    data.mkdir()
-    for i in range(6):
-        (data / f"f{i}.txt").write_text("\n".join(CORPUS[i:] + CORPUS[:i]) * 3)
-    return target_dir, data, root
+    return (*training_pair(root), root)
 
 
 def _argv(target, data, out, *extra):

@@ -49,15 +49,9 @@ def test_ranks_stay_identical_and_match_one_process(tiny_cache):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def pair_and_data(tmp_path_factory):
-    from dflash_mlx.demo import CORPUS, make_tiny_pair
+    from tiny import training_pair
 
-    root = tmp_path_factory.mktemp("parallel")
-    target_dir, _ = make_tiny_pair(root / "pair")
-    data = root / "data"
-    data.mkdir()
-    for i in range(6):
-        (data / f"f{i}.txt").write_text("\n".join(CORPUS[i:] + CORPUS[:i]) * 3)
-    return target_dir, data
+    return training_pair(tmp_path_factory.mktemp("parallel"))
 
 
 def _argv(target_dir, data, out, *extra):

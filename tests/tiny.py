@@ -241,3 +241,15 @@ __all__ = [
     "TARGET_CONFIGS", "VOCAB", "build_target", "corrupt_every", "greedy", "make_drafter", "prompt_ids",
     "randomize", "reference", "run_dflash", "target",
 ]
+
+
+def training_pair(root) -> Tuple["Path", "Path"]:
+    """A tiny demo target (its folder) and a folder of six small text files to train a drafter on."""
+    from dflash_mlx.demo import CORPUS, make_tiny_pair
+
+    target_dir, _ = make_tiny_pair(root / "pair")
+    data = root / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"f{i}.txt").write_text("\n".join(CORPUS[i:] + CORPUS[:i]) * 3)
+    return target_dir, data
