@@ -4,7 +4,12 @@ The `mlx[cpu]` wheel links a reference BLAS (fp32 GEMM ≈ 2–4 GFLOP/s), so a 
 steps and speculative decoding cannot win on CPU. libmlx.so leaves `cblas_sgemm` undefined and the dynamic loader
 searches the global scope before libmlx's own dependencies, so a library loaded with RTLD_GLOBAL before `mlx.core`
 that exports unprefixed `cblas_*` symbols takes over every fp32 GEMM. This only works before mlx is imported:
-`dflash_mlx/__init__.py` calls `load_openblas()` first thing.
+`dflash_mlx/__init__.py` calls `load_openblas()` first thing, and so, earlier still, does the start-up hook
+`dflash_mlx_blas.pth` that pip installs into site-packages with the package (setup.py): it loads this file on its
+own as `dflash_mlx._blas` (stdlib only, nothing else of dflash_mlx, no mlx) and calls `startup()` as Python starts,
+which loads the BLAS the moment anything first imports mlx, so `import mlx_lm` before `import dflash_mlx` keeps the
+fast BLAS. Run from a source tree without an install, only
+the import does it, and `warn_if_skipped` warns when mlx came first.
 
 Where the library comes from, first found wins:
   1. the OpenBLAS inside the `cvxopt` wheel, a Linux dependency of this package, so `pip install` alone brings it:
@@ -20,25 +25,20 @@ not use BLAS on CPU. Measured effect: `python benchmarks/cpu_blas.py` (docs/cpu-
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import importlib.util
+# Only what Python has imported already as it starts: the start-up hook runs this file in every interpreter, so
+# ctypes, glob, platform and importlib.util are imported where they are used (docs/cpu-performance.md, start-up).
+import collections
 import os
-import platform
 import sys
-from dataclasses import dataclass
-from typing import Optional, Tuple
 
 _DEBIAN_SUBDIR = "openblas-pthread/libblas.so.3"
 _PIP_PACKAGE = "cvxopt"
 
 
-@dataclass(frozen=True)
-class Blas:
-    """A BLAS to load: its name for messages and its shared libraries in load order (dependencies first)."""
+class Blas(collections.namedtuple("Blas", ["name", "libraries"])):
+    """A BLAS to load: its name for messages and its shared libraries (a tuple) in load order (dependencies first)."""
 
-    name: str
-    libraries: Tuple[str, ...]
+    __slots__ = ()
 
 
 # What happened at import: the BLAS loaded (name and main library), or why none was.
@@ -49,6 +49,9 @@ source: Optional[str] = None
 
 def find_debian_openblas() -> Optional[Blas]:
     """Debian/Ubuntu's pthread OpenBLAS (package libopenblas0-pthread), for this machine's multiarch triple."""
+    import glob
+    import platform
+
     machine = platform.machine().lower()
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
     candidates = [f"/usr/lib/{arch}-linux-gnu/{_DEBIAN_SUBDIR}", f"/usr/lib/{_DEBIAN_SUBDIR}",
@@ -60,6 +63,9 @@ def find_debian_openblas() -> Optional[Blas]:
 
 def find_pip_openblas() -> Optional[Blas]:
     """The OpenBLAS that the cvxopt wheel bundles in `cvxopt.libs/`, found without importing cvxopt."""
+    import glob
+    import importlib.util
+
     try:
         spec = importlib.util.find_spec(_PIP_PACKAGE)
     except (ImportError, ValueError):
@@ -94,6 +100,8 @@ def _choose() -> Tuple[Optional[Blas], str]:
 
 def _load(blas: Blas) -> Optional[str]:
     """Load every library of `blas` globally; the error text, or None on success."""
+    import ctypes
+
     for path in blas.libraries:
         try:
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -128,6 +136,43 @@ def load_openblas() -> Optional[str]:
     if os.environ.get("DFLASH_MLX_DEBUG"):
         print(f"dflash-mlx: BLAS {status}", file=sys.stderr)
     return loaded
+
+
+class _BeforeMlx:
+    """A meta-path finder that, the first time anything imports mlx, loads the BLAS and steps aside (it finds no
+    module itself). Waiting for that import rather than loading at start-up costs nothing to programs that never
+    use mlx, and sees mlx and cvxopt wherever they are on sys.path (system site-packages are added to it only after
+    a venv's .pth files have run)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "mlx" or name.startswith("mlx."):
+            _unhook()
+            try:
+                load_openblas()
+            except Exception:  # noqa: BLE001  (mlx then keeps its bundled BLAS; importing it must not fail)
+                pass
+        return None
+
+
+def _unhook() -> None:
+    try:
+        sys.meta_path.remove(_BeforeMlx)
+    except ValueError:
+        pass
+
+
+def startup() -> None:
+    """The start-up hook (dflash_mlx_blas.pth): on Linux, arranges `load_openblas()` to run just before mlx is first
+    imported. Never raises, so a failure cannot break the interpreter's start; nothing at all with DFLASH_MLX_NO_BLAS
+    set, nor off Linux, and nothing loads in a program that does not import mlx."""
+    try:
+        if not sys.platform.startswith("linux") or os.environ.get("DFLASH_MLX_NO_BLAS", "").strip() not in ("", "0"):
+            return
+        if "mlx.core" not in sys.modules and _BeforeMlx not in sys.meta_path:
+            sys.meta_path.insert(0, _BeforeMlx)
+    except Exception:  # noqa: BLE001  (whatever it is, Python must start; `import dflash_mlx` says what went wrong)
+        pass
 
 
 def warn_if_skipped() -> None:
