@@ -10,7 +10,6 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Generator, List, Optional, Union
 

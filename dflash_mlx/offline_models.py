@@ -217,7 +217,7 @@ def _assemble(model: OfflineModel, target: Path, dest: Path, progress: bool) -> 
     total = sum(p.stat().st_size for p in files)
     tmp = dest.with_name(dest.name + ".partial")
     try:
-        _join(model, files, record, tmp, dest, total, progress)
+        _join(model, target, files, record, tmp, dest, total, progress)
     except OSError as e:  # a full disk, mostly: say so, leave no partial file
         from .io_safety import write_error
 
@@ -225,7 +225,8 @@ def _assemble(model: OfflineModel, target: Path, dest: Path, progress: bool) -> 
         raise write_error(e, dest) from None
 
 
-def _join(model: OfflineModel, files: List[Path], record, tmp: Path, dest: Path, total: int, progress: bool) -> None:
+def _join(model: OfflineModel, target: Path, files: List[Path], record, tmp: Path, dest: Path, total: int,
+          progress: bool) -> None:
     from tqdm import tqdm
 
     whole = hashlib.sha256()

