@@ -11,8 +11,10 @@ Protocol (all arrays lazy):
     observe(tokens)                      tokens the target has now seen: the prompt, then each cycle's commits
     first(logits [V]) -> token           the token after the prompt
     propose(draft_logits [B-1, V]) -> draft [B-1]
+    propose_walk(walk, anchor) -> draft [B-1]   drafts whose row i depends on draft i-1 (see `DraftWalk`)
     verify(draft, draft_logits, target_logits [B, V]) -> (acc, fix [B])
 Row i of the target's logits predicts the token after block[i], so draft[i] (block slot i+1) is judged by row i.
+After `propose_walk`, `verify` gets `draft_logits=None`: the acceptor kept the rows each draft was drawn from.
 """
 
 from __future__ import annotations
@@ -26,6 +28,28 @@ from .errors import DFlashError
 from .sampling import LogitsProcessor, SamplingParams, check_seed, log_distribution, process_rows
 
 
+class DraftWalk(Protocol):
+    """A draft proposed one slot after another: row i's logits depend on the token chosen for slot i-1 (DSpark's
+    Markov head, DFlash 2's candidate selector). `row(i, prev)` gives logits [V] over the target vocabulary for
+    draft slot i given `prev` (the anchor for i = 0, else draft i-1), as a scalar int32 array; the acceptor draws
+    each draft from its row, so the proposal distribution is exactly what rejection sampling divides by."""
+
+    length: int
+
+    def row(self, i: int, prev: mx.array) -> mx.array: ...
+
+
+def _walk(walk: DraftWalk, anchor, choose: Callable[[int, mx.array, mx.array], mx.array]) -> mx.array:
+    """Draft [n] from a walk, `choose(i, row [1, V], drafts so far)` picking each slot's token [1]."""
+    draft = mx.zeros((0,), dtype=mx.int32)
+    prev = mx.array(anchor, dtype=mx.int32).reshape(())
+    for i in range(walk.length):
+        token = choose(i, walk.row(i, prev).reshape(1, -1), draft).astype(mx.int32).reshape(1)
+        draft = mx.concatenate([draft, token])
+        prev = token[0]
+    return draft
+
+
 class Acceptor(Protocol):
     """The acceptance rule the engine runs; see the protocol in the module docstring."""
 
@@ -34,6 +58,8 @@ class Acceptor(Protocol):
     def first(self, logits: mx.array) -> mx.array: ...
 
     def propose(self, draft_logits: mx.array) -> mx.array: ...
+
+    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array: ...
 
     def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
                target_logits: mx.array) -> Tuple[mx.array, mx.array]: ...
@@ -52,6 +78,10 @@ class GreedyAcceptor:
     def propose(self, draft_logits: mx.array) -> mx.array:
         """Draft tokens [B-1] from draft logits [B-1, V]."""
         return mx.argmax(draft_logits, axis=-1).astype(mx.int32)
+
+    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array:
+        """Draft tokens [n]: each slot's argmax given the previous slot's."""
+        return _walk(walk, anchor, lambda i, row, draft: mx.argmax(row, axis=-1))
 
     def verify(self, draft: mx.array, draft_logits: mx.array, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
         """draft [B-1], draft_logits [B-1, V], target_logits [B, V] -> (acc scalar, fix [B])."""
@@ -139,6 +169,20 @@ class SamplingAcceptor(_History):
         self._proposed = (draft, logq)
         return draft
 
+    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array:
+        """Draft tokens [n], each drawn from its row given the drafts before it; verify divides by those rows."""
+        keys = self._keys(max(walk.length, 1))
+        rows = []
+
+        def choose(i, row, draft):
+            logq = log_distribution(self._process_after(row, draft) if self.processors else row, self.params)
+            rows.append(logq)
+            return self._draw(logq, keys[i])
+
+        draft = _walk(walk, anchor, choose)
+        self._proposed = (draft, mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 0)))
+        return draft
+
     def _logq(self, draft: mx.array, draft_logits: mx.array) -> mx.array:
         if self._proposed is not None and self._proposed[0] is draft:
             return self._proposed[1]
@@ -211,6 +255,11 @@ class MatchAcceptor(_History):
             row = self._process_after(draft_logits[i : i + 1], draft)
             draft = mx.concatenate([draft, mx.argmax(row, axis=-1).astype(mx.int32)])
         return draft
+
+    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array:
+        """Draft tokens [n]: each slot's (processed) argmax given the drafts before it."""
+        return _walk(walk, anchor, lambda i, row, draft: mx.argmax(
+            self._process_after(row, draft) if self.processors else row, axis=-1))
 
     def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
                target_logits: mx.array) -> Tuple[mx.array, mx.array]:

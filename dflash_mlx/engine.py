@@ -47,6 +47,9 @@ class Drafter(Protocol):
 
     def __call__(self, block_ids: mx.array, cache: List[Any]) -> mx.array: ...
 
+    # Optional: `draft_walk(block_ids, cache) -> acceptance.DraftWalk` for drafters whose slot i depends on the
+    # token drafted at slot i-1; the engine then has the acceptor walk it instead of calling the drafter.
+
 
 @dataclass
 class Cycle:
@@ -227,7 +230,10 @@ def dflash_generate_step(
             if w > 1:
                 flushed = state.flush_context(drafter)
                 block_ids = mx.array([[state.last_token] + [mask_token_id] * (w - 1)], dtype=mx.int32)
-                if isinstance(acceptor, GreedyAcceptor) and hasattr(drafter, "greedy_draft"):
+                if hasattr(drafter, "draft_walk"):
+                    # Slot i's proposal depends on draft i-1 (DSpark, DFlash 2): the acceptor walks the slots.
+                    draft = acceptor.propose_walk(drafter.draft_walk(block_ids, state.draft_cache), state.last_token)
+                elif isinstance(acceptor, GreedyAcceptor) and hasattr(drafter, "greedy_draft"):
                     # Greedy needs only the argmax: skip the drafter's full-vocabulary logits.
                     draft = drafter.greedy_draft(block_ids, state.draft_cache)[0]
                 else:
