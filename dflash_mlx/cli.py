@@ -147,7 +147,9 @@ def generate(
     console.warn_before_run(target, drafter, len(ids), block_size)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
     if verbose:
-        print(f"drafter: {drafter.weights_form}", file=sys.stderr)
+        from .drafter_families import describe
+
+        print(f"drafter: {describe(drafter)}", file=sys.stderr)
     try:
         console.stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
     except KeyboardInterrupt:  # the line is ended and the summary printed; main says "interrupted"

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
+from .drafter_families import DrafterFamily, detect, family_of
 from .dtypes import mx_dtype
 from .errors import DFlashError
 from .refs import is_repo_id
@@ -73,18 +74,21 @@ def resolve_checkpoint(path_or_repo: Union[str, Path], revision: Optional[str] =
 
 
 def read_config(path: Path) -> DFlashConfig:
+    """The normalized config of the drafter in `path`, of its family's config class (`drafter_families`)."""
     file = path / CONFIG_NAME
     raw = read_json(file, f"'{path}' has no {CONFIG_NAME}; pass a DFlash drafter directory or Hub repo id",
                     lambda e: f"cannot parse {file}: {e}; re-download or re-convert the drafter")
-    if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
-        raise DFlashError(
-            f"'{path}' is a speculators-format drafter, which is not supported yet; use the z-lab DFlash "
-            "checkpoint for this target"
-        )
-    archs = raw.get("architectures") or []
-    if raw.get("model_type") != "dflash" and archs and not any("DFlash" in a for a in archs):
-        raise DFlashError(f"'{path}' holds a {', '.join(archs)} model, not a DFlash drafter")
-    return DFlashConfig.from_dict(raw)
+    family = detect(raw)
+    if family.config_class is DFlashConfig:
+        if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
+            raise DFlashError(
+                f"'{path}' is a speculators-format drafter, which is not supported yet; use the z-lab DFlash "
+                "checkpoint for this target"
+            )
+        archs = raw.get("architectures") or []
+        if raw.get("model_type") != "dflash" and archs and not any("DFlash" in a for a in archs):
+            raise DFlashError(f"'{path}' holds a {', '.join(archs)} model, not a DFlash drafter")
+    return family.config_class.from_dict(raw)
 
 
 def _weight_files(path: Path) -> list:
@@ -135,9 +139,11 @@ def sanitize(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
 
 
 # -- building, quantizing and loading ------------------------------------------------------------------------
-def _quantizable(group_size: int):
-    # Same rule as mlx-lm: layers whose input width is not a multiple of the group size stay in float.
-    return lambda _path, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+def _quantizable(group_size: int, keep_float=()):
+    # Same rule as mlx-lm: layers whose input width is not a multiple of the group size stay in float; so do
+    # the family's small, sensitive layers (`DrafterFamily.keep_float`).
+    return lambda path, m: (hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+                            and not any(part in path for part in keep_float))
 
 
 def check_quantization(bits: int, group_size: int) -> None:
@@ -153,14 +159,16 @@ def check_quantization(bits: int, group_size: int) -> None:
 def quantize_drafter(drafter: DFlashDrafter, bits: int, group_size: int) -> None:
     """Quantize in place and record the settings in the drafter's config, so `save_drafter` writes them."""
     check_quantization(bits, group_size)
-    nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+    keep = family_of(drafter.config).keep_float
+    nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size, keep))
     drafter.config.quantization = {"group_size": group_size, "bits": bits}
 
 
 def build_drafter(config: DFlashConfig) -> DFlashDrafter:
-    """An unloaded drafter with the layout the config describes (quantized layers included)."""
+    """An unloaded drafter of the config's family with the layout it describes (quantized layers included)."""
+    family: DrafterFamily = family_of(config)
     try:
-        drafter = DFlashDrafter(config)
+        drafter = family.drafter_class(config)
     except (ValueError, KeyError, TypeError) as e:  # e.g. a rope_scaling type mlx-lm does not know
         raise DFlashError(f"cannot build a drafter from this config.json: {e}") from None
     if config.quantization:
@@ -206,6 +214,9 @@ def read_drafter(path: Path) -> DFlashDrafter:
     """Build, check and load the drafter stored in a local directory (z-lab or converted), not yet evaluated."""
     config = read_config(path)
     weights = read_weights(path)
+    family = family_of(config)
+    if family.rename is not None:
+        weights = family.rename(weights, config)
     drafter = build_drafter(config)
     check_weights(drafter, weights, path)
     drafter.load_weights(list(weights.items()), strict=True)

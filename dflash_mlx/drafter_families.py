@@ -1,0 +1,74 @@
+"""Drafter families: which kind of published drafter a checkpoint holds, and how to build it.
+
+Every family shares the DFlash skeleton (tapped target features fused into context K/V, one forward pass per
+block) and differs in config keys, extra tensors and how drafts are chosen. A family says whether a raw
+`config.json` is one of its own (`claims`), which config class normalizes it and which drafter class it builds,
+which parameters stay in float when the drafter is quantized (`keep_float`: small, sensitive weights), and how to
+rename a checkpoint's tensors to the drafter's parameter names (`rename`).
+
+`detect` asks the families in order; DFlash (the first generation) comes last and claims what no other family
+does. The loader (`drafter_io`) and the converter go through this table only, so a new family is one module
+listed in `_FAMILY_MODULES` that defines `FAMILY`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+
+import mlx.core as mx
+
+from .config import DFlashConfig
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+
+
+@dataclass(frozen=True)
+class DrafterFamily:
+    name: str  # as `--verbose` prints it, e.g. "DFlash 2"
+    claims: Callable[[Dict[str, Any]], bool]  # raw config.json -> is it this family's?
+    config_class: Type[DFlashConfig]  # `from_dict(raw)` normalizes, `to_dict()` writes our form
+    drafter_class: Type[DFlashDrafter]
+    keep_float: Tuple[str, ...] = ()  # parameter-path fragments left unquantized (`--quantize` keeps them float)
+    rename: Optional[Callable[[Dict[str, mx.array], Any], Dict[str, mx.array]]] = None  # (weights, config)
+
+
+def _is_dflash(raw: Dict[str, Any]) -> bool:
+    return True  # the fallback: `DFlashConfig.from_dict` and the loader say what is wrong with anything else
+
+
+DFLASH = DrafterFamily("DFlash", _is_dflash, DFlashConfig, DFlashDrafter)
+
+# Modules defining `FAMILY`, asked before DFlash in this order (imported on first use: each builds on drafter.py).
+_FAMILY_MODULES: List[str] = []
+
+_families: Optional[List[DrafterFamily]] = None
+
+
+def families() -> List[DrafterFamily]:
+    """Every known family, most specific first, DFlash last."""
+    global _families
+    if _families is None:
+        _families = [importlib.import_module(m).FAMILY for m in _FAMILY_MODULES] + [DFLASH]
+    return _families
+
+
+def detect(raw: Dict[str, Any]) -> DrafterFamily:
+    """The family whose `claims` accepts this raw config.json."""
+    return next(f for f in families() if f.claims(raw))
+
+
+def family_of(config: DFlashConfig) -> DrafterFamily:
+    """The family a normalized config belongs to (by its class)."""
+    for family in families():
+        if type(config) is family.config_class:
+            return family
+    raise DFlashError(f"no drafter family uses config class {type(config).__name__}")
+
+
+def describe(drafter) -> str:
+    """`--verbose`'s line on a drafter: its family and how its weights are held."""
+    config = getattr(drafter, "config", None)
+    name = family_of(config).name if isinstance(config, DFlashConfig) else type(drafter).__name__
+    return f"{name} drafter, {getattr(drafter, 'weights_form', 'weights as given')}"
