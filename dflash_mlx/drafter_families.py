@@ -41,7 +41,9 @@ def _is_dflash(raw: Dict[str, Any]) -> bool:
 DFLASH = DrafterFamily("DFlash", _is_dflash, DFlashConfig, DFlashDrafter)
 
 # Modules defining `FAMILY`, asked before DFlash in this order (imported on first use: each builds on drafter.py).
-_FAMILY_MODULES: List[str] = []
+_FAMILY_MODULES: List[str] = [
+    "dflash_mlx.dflash2",
+]
 
 _families: Optional[List[DrafterFamily]] = None
 
