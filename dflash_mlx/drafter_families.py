@@ -43,6 +43,7 @@ DFLASH = DrafterFamily("DFlash", _is_dflash, DFlashConfig, DFlashDrafter)
 # Modules defining `FAMILY`, asked before DFlash in this order (imported on first use: each builds on drafter.py).
 _FAMILY_MODULES: List[str] = [
     "dflash_mlx.dflash2",
+    "dflash_mlx.dspark",
 ]
 
 _families: Optional[List[DrafterFamily]] = None
