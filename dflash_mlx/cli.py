@@ -219,8 +219,9 @@ def serve(
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature of requests that set none."),
     chat_template_args: Optional[str] = typer.Option(None, "--chat-template-args", help="JSON passed to the chat "
                                                      "template, e.g. '{\"enable_thinking\": false}'."),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id clients use "
-                                                    "(default: --model)."),
+    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name", help="Model id clients "
+                                                          "use (default: --model); repeat it to answer to several "
+                                                          "names, the first is the one reported."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""

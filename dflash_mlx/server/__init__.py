@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
 
 from ..errors import DFlashError
 from .app import ServerSettings, create_app
@@ -179,8 +179,10 @@ def parse_bytes(text: str) -> int:
 
 def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str], max_queue: int,
                       prompt_cache_bytes: str, block_size: Optional[int], max_tokens: int, temp: float,
-                      chat_template_args: Optional[str], served_model_name: Optional[str]) -> ServerSettings:
-    """The `dflash-mlx serve` options as settings, every one checked before any model is loaded."""
+                      chat_template_args: Optional[str],
+                      served_model_name: Union[None, str, List[str]]) -> ServerSettings:
+    """The `dflash-mlx serve` options as settings, every one checked before any model is loaded.
+    `served_model_name` may be several names (the flag repeated): the first is the one the server reports."""
     template_args = None
     if chat_template_args:
         try:
@@ -189,7 +191,13 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
             raise DFlashError(f"--chat-template-args is not JSON: {e}") from None
         if not isinstance(template_args, dict):
             raise DFlashError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    return ServerSettings(model_name=served_model_name or model, drafter_name=draft, api_key=api_key,
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    blank = [n for n in names if not n.strip()]
+    if blank:
+        raise DFlashError("--served-model-name is empty: give the id clients send as 'model', e.g. "
+                          "--served-model-name gpt-4o-mini (repeat the flag for more names)")
+    names = names or [model]
+    return ServerSettings(model_name=names[0], served_names=names[1:], drafter_name=draft, api_key=api_key,
                           max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
                           block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
                           chat_template_kwargs=template_args)

@@ -179,7 +179,7 @@ def add_routes(app, server, authorize) -> None:
     @app.post("/v1/messages", dependencies=[Depends(authorize)])
     async def messages(body: AnthropicRequest, request: Request):
         server.check_body(body)
-        server.check_model(body.model)
+        name = server.check_model(body.model)
         tools = openai_tools(body.tools)
         choice = anthropic_tool_choice(body.tool_choice, tools)
         if choice.mode == "none":
@@ -188,7 +188,7 @@ def add_routes(app, server, authorize) -> None:
         job: Job = server.submit(server.generation_request(prompt, body, body.max_tokens,
                                                            list(body.stop_sequences or [])))
         router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
-        fmt = MessagesFormatter(server.settings.model_name, router, len(prompt.tokens))
+        fmt = MessagesFormatter(name, router, len(prompt.tokens))
         event = await first_event(job, request)
         if event is None:
             return Response(status_code=499)

@@ -1,5 +1,5 @@
 """The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, Anthropic's /v1/messages,
-plus /health (GET and HEAD) and /metrics. Handlers validate and tokenize, queue a job on the worker, and format its
+OpenAI's Responses API (/v1/responses, in server/responses_format.py), plus /health (GET and HEAD) and /metrics. Handlers validate and tokenize, queue a job on the worker, and format its
 events.
 
 Every body's text is checked first (`schemas.check_text`: no lone surrogates, at most 8 bytes per token of the
@@ -16,7 +16,7 @@ import contextlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, FastAPI, Request
@@ -25,11 +25,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..errors import DFlashError
 from ..sampling import SamplingParams
-from . import anthropic_format, errors, prompts
+from . import anthropic_format, errors, prompts, responses_format
 from .errors import APIError
 from .generation import GenerationRequest, Generator, Outcome
 from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
+from .responses_store import ResponseStore
 from .schemas import ChatCompletionRequest, CompletionRequest, check_text
 from .streaming import collect, first_event
 from .text import router_for
@@ -41,7 +42,8 @@ from .worker import Job, QueueFull, Worker
 class ServerSettings:
     """What `dflash-mlx serve` is told on its command line (model loading aside)."""
 
-    model_name: str = "default"
+    model_name: str = "default"  # the first served name: what /health, /metrics and replies to unnamed requests show
+    served_names: List[str] = field(default_factory=list)  # more names clients may send as `model` (aliases)
     drafter_name: Optional[str] = None
     api_key: Optional[str] = None
     max_queue: int = 64
@@ -59,6 +61,11 @@ class ServerSettings:
         if self.drafter_name is None:
             self.drafter_name = drafter or "shipped"
         return self
+
+    @property
+    def names(self) -> List[str]:
+        """Every name the server answers to, the first one first, each once."""
+        return list(dict.fromkeys([self.model_name, *self.served_names]))
 
 
 def context_length_of(model) -> Optional[int]:
@@ -98,10 +105,18 @@ class Server:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {n}; "
                                 "shorten the messages", param="messages", code="context_length_exceeded")
 
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.settings.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.settings.model_name}' "
-                                "(see GET /v1/models)", param="model", code="model_not_found")
+    def check_model(self, name: Optional[str]) -> str:
+        """The served name a request asked for (replies carry it back), or the first one when it named none;
+        a name the server does not answer to is a 404."""
+        names = self.settings.names
+        if name is None:
+            return names[0]
+        if name not in names:
+            served = ", ".join(f"'{n}'" for n in names)
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
+                                "(see GET /v1/models, or start it with --served-model-name NAME, repeated)",
+                           param="model", code="model_not_found")
+        return name
 
     def generation_request(self, prompt: prompts.Prompt, body, max_tokens: Optional[int], stop: List[str],
                            logprobs: bool = False, top_logprobs: int = 0) -> GenerationRequest:
@@ -243,7 +258,9 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
-        server.metrics.record_request(request.url.path, response.status_code)
+        # Counted by route template: paths clients make up (/v1/models/ANY, 404s) must not grow the table forever.
+        route = request.scope.get("route")
+        server.metrics.record_request(getattr(route, "path", None) or "unmatched", response.status_code)
         return response
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes
@@ -259,9 +276,9 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
                                                        settings.model_name),
                                  media_type="text/plain; version=0.0.4")
 
-    def model_card() -> Dict[str, Any]:
+    def model_card(name: str) -> Dict[str, Any]:
         gen = server.generator
-        return {"id": settings.model_name, "object": "model", "created": server.created, "owned_by": "dflash-mlx",
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "dflash-mlx",
                 "context_length": server.context_length,
                 "dflash": {"drafter": settings.drafter_name,
                            "block_size": gen.block_size or (gen.drafter.block_size if gen.drafter else 1),
@@ -269,17 +286,16 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in settings.names]}
 
     @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
     async def model(name: str):
-        server.check_model(name)
-        return model_card()
+        return model_card(server.check_model(name))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_body(body)
-        server.check_model(body.model)
+        name = server.check_model(body.model)
         response_format = (body.model_extra or {}).get("response_format")
         if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
             raise APIError(400, f"response_format {response_format.get('type')!r} is not supported (text only)",
@@ -295,14 +311,14 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
                                                       top))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
-        fmt = ChatFormatter(settings.model_name, server.tokenizer, router,
+        fmt = ChatFormatter(name, server.tokenizer, router,
                             logprobs=body.logprobs, include_usage=include_usage)
         return await respond_openai(request, job, fmt, body.stream)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
         server.check_body(body)
-        server.check_model(body.model)
+        name = server.check_model(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if isinstance(body.prompt, list) and all(isinstance(t, int) for t in body.prompt):
@@ -311,11 +327,13 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         job = server.submit(server.generation_request(prompt, body, body.max_tokens, _stops(body.stop),
                                                       body.logprobs is not None, body.logprobs or 0))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = CompletionFormatter(settings.model_name, server.tokenizer, logprobs=body.logprobs,
+        fmt = CompletionFormatter(name, server.tokenizer, logprobs=body.logprobs,
                                   include_usage=include_usage)
         return await respond_openai(request, job, fmt, body.stream)
 
     anthropic_format.add_routes(app, server, authorize)
+    app.state.responses = ResponseStore()
+    responses_format.add_routes(app, server, authorize, app.state.responses)
     return app
 
 

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI and Anthropic endpoints, as pydantic models, and `check_text`, the checks every
+"""Request bodies of the OpenAI (chat, completions, responses) and Anthropic endpoints, as pydantic models, and `check_text`, the checks every
 body's text gets before anything renders or tokenizes it.
 
 Unknown fields are accepted and ignored (clients send many); known fields are type-checked, and a wrong type is
@@ -100,6 +100,31 @@ class AnthropicCountRequest(_Lenient):
     messages: List[AnthropicMessage]
     system: Optional[Union[str, List[Dict[str, Any]]]] = None
     tools: Optional[List[Dict[str, Any]]] = None
+
+
+class ResponsesRequest(_Lenient):
+    """OpenAI's Responses API (`POST /v1/responses`): `input` is a string or a list of items (messages,
+    function calls, function call outputs); server/responses_format.py turns them into chat messages."""
+
+    model: Optional[str] = None
+    input: Union[str, List[Dict[str, Any]]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = Field(default=None, ge=0)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    seed: Optional[int] = None
+    stream: bool = False
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
+    metadata: Optional[Dict[str, Any]] = None
+    text: Optional[Dict[str, Any]] = None
+    reasoning: Optional[Dict[str, Any]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
 # A prompt's text may take this many UTF-8 bytes per token of the model's context, plus the margin, before it is
