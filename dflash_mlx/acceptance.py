@@ -12,9 +12,12 @@ Protocol (all arrays lazy):
     first(logits [V]) -> token           the token after the prompt
     propose(draft_logits [B-1, V]) -> draft [B-1]
     propose_walk(walk, anchor) -> draft [B-1]   drafts whose row i depends on draft i-1 (see `DraftWalk`)
+    propose_tokens(draft [B-1]) -> draft [B-1]  drafts fixed in advance (copied from the context): a point-mass
+                                         proposal q = one-hot(draft[i]), accepted with probability p(draft[i])
     verify(draft, draft_logits, target_logits [B, V]) -> (acc, fix [B])
 Row i of the target's logits predicts the token after block[i], so draft[i] (block slot i+1) is judged by row i.
-After `propose_walk`, `verify` gets `draft_logits=None`: the acceptor kept the rows each draft was drawn from.
+After `propose_walk` or `propose_tokens`, `verify` gets `draft_logits=None`: the acceptor kept the rows each draft
+was drawn from (for fixed drafts, the one-hot rows).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Acceptor(Protocol):
 
     def propose_walk(self, walk: DraftWalk, anchor) -> mx.array: ...
 
+    def propose_tokens(self, draft: mx.array) -> mx.array: ...
+
     def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
                target_logits: mx.array) -> Tuple[mx.array, mx.array]: ...
 
@@ -82,6 +87,10 @@ class GreedyAcceptor:
     def propose_walk(self, walk: DraftWalk, anchor) -> mx.array:
         """Draft tokens [n]: each slot's argmax given the previous slot's."""
         return _walk(walk, anchor, lambda i, row, draft: mx.argmax(row, axis=-1))
+
+    def propose_tokens(self, draft: mx.array) -> mx.array:
+        """Fixed drafts [n] (copied from the context): kept while they equal the target's argmax."""
+        return draft
 
     def verify(self, draft: mx.array, draft_logits: mx.array, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
         """draft [B-1], draft_logits [B-1, V], target_logits [B, V] -> (acc scalar, fix [B])."""
@@ -183,8 +192,17 @@ class SamplingAcceptor(_History):
         self._proposed = (draft, mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 0)))
         return draft
 
-    def _logq(self, draft: mx.array, draft_logits: mx.array) -> mx.array:
+    def propose_tokens(self, draft: mx.array) -> mx.array:
+        """Fixed drafts [n]: q is a point mass on each, so verify accepts draft i with probability p(draft i) and
+        at a rejection draws from p with draft i removed (normalize(max(p - one-hot, 0))): exact sampling."""
+        self._proposed = (draft, None)  # verify builds the one-hot log q once it knows the vocabulary size
+        return draft
+
+    def _logq(self, draft: mx.array, draft_logits: mx.array, vocab_size: int) -> mx.array:
         if self._proposed is not None and self._proposed[0] is draft:
+            if self._proposed[1] is None:  # a point mass on each draft token (`propose_tokens`)
+                vocab = mx.arange(vocab_size, dtype=mx.int32)
+                return mx.where(vocab == draft[..., None], 0.0, -mx.inf).astype(mx.float32)
             return self._proposed[1]
         if not self.processors:
             return log_distribution(draft_logits, self.params)
@@ -198,7 +216,7 @@ class SamplingAcceptor(_History):
         if draft.shape[-1] == 0:
             self._proposed = None
             return mx.zeros(draft.shape[:-1], dtype=mx.int32), self._draw(logp, key_fix)
-        logq = self._logq(draft, draft_logits)  # [..., B-1, V]
+        logq = self._logq(draft, draft_logits, logp.shape[-1])  # [..., B-1, V]
         self._proposed = None
         if self.params.greedy:
             choice = self._draw(logp, key_fix)
@@ -260,6 +278,10 @@ class MatchAcceptor(_History):
         """Draft tokens [n]: each slot's (processed) argmax given the drafts before it."""
         return _walk(walk, anchor, lambda i, row, draft: mx.argmax(
             self._process_after(row, draft) if self.processors else row, axis=-1))
+
+    def propose_tokens(self, draft: mx.array) -> mx.array:
+        """Fixed drafts [n]: kept while the target's own samples equal them."""
+        return draft
 
     def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
                target_logits: mx.array) -> Tuple[mx.array, mx.array]:

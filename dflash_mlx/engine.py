@@ -14,6 +14,13 @@ few hundred cycles (both matter on Apple GPUs and cost nothing on the CPU backen
 
 Verify width: `block_size` fixes it; a `width` policy (`width.WidthPolicy`) chooses it before every cycle from the
 time between consecutive syncs and the acceptance seen so far. Any sequence of widths commits the same tokens.
+
+Draft source: with a `lookup` index (`lookup.LookupIndex`) and a `sources` choice (`sources.SourceChoice`), each
+cycle's draft is either the drafter's block, a continuation copied from the context, or nothing (plain decoding),
+chosen with the width. The lookup runs on the host when the cycle is launched; that is right after the previous
+cycle's sync, so it sees every committed token (the overlap is with the caller's work on the previous cycle, not
+with the device). A copied draft goes through the same verify pass, acceptance (a point-mass proposal, see
+`Acceptor.propose_tokens`), rollback and commit.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from mlx_lm.generate import generation_stream
 
 from .acceptance import Acceptor, GreedyAcceptor
 from .errors import DFlashError
+from .lookup import LookupIndex
+from .sources import DFLASH, LOOKUP, PLAIN, SourceChoice
 from .targets import TargetModel
 from .width import FixedWidth, Width
 
@@ -60,6 +69,7 @@ class Cycle:
     width: int  # tokens verified in this pass (1 for the prefill cycle)
     logits: Optional[mx.array] = None  # [len(tokens), V] target logits that chose each token (lazy)
     is_prefill: bool = False
+    source: str = PLAIN  # where the drafts came from: "dflash", "lookup" or "plain" (no drafts)
 
     @property
     def block_size(self) -> int:
@@ -83,10 +93,12 @@ class DecodeState:
         """Empty caches for this target and drafter (no draft cache without a drafter)."""
         return cls(target.make_cache(), drafter.make_cache() if drafter is not None else None)
 
-    def commit(self, features: mx.array, last_token: int) -> None:
-        """Record a cycle's committed tokens: their tapped features wait for the next draft."""
-        self.pending_context = (features if self.pending_context is None
-                                else mx.concatenate([self.pending_context, features], axis=1))
+    def commit(self, features: Optional[mx.array], last_token: int) -> None:
+        """Record a cycle's committed tokens: their tapped features wait for the next draft (None: no drafter
+        will read them)."""
+        if features is not None:
+            self.pending_context = (features if self.pending_context is None
+                                    else mx.concatenate([self.pending_context, features], axis=1))
         self.last_token = last_token
 
     def flush_context(self, drafter: Optional[Drafter]) -> Optional[mx.array]:
@@ -137,6 +149,7 @@ class _Pending:
     """A queued cycle: the device is computing it while the host yields the previous one."""
 
     width: int
+    source: str
     packed: mx.array  # [acc, choice_0..choice_{w-1}, draft_1..draft_{w-1}]
     logits: mx.array  # [w, V]
     hidden: mx.array  # [1, w, n*H]
@@ -166,6 +179,8 @@ def dflash_generate_step(
     width: Optional[Width] = None,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     profiler=None,
+    lookup: Optional[LookupIndex] = None,
+    sources: Optional[SourceChoice] = None,
 ) -> Generator[Cycle, None, None]:
     """DFlash decoding (greedy unless another acceptor is given).
 
@@ -183,6 +198,9 @@ def dflash_generate_step(
         state: caches to start from (fresh if omitted).
         acceptor: the acceptance rule (`acceptance.GreedyAcceptor` by default).
         prefill_progress: called as `(tokens_done, total)` after each prefill chunk (a progress bar).
+        lookup: the context index for copied drafts; it is extended with the prompt and every committed token.
+        sources: chooses each cycle's draft source and width (`width`, if given, is this object or its
+            coordinated wrapper); requires `lookup`. Without a drafter it chooses between lookup and plain decoding.
         profiler: for benchmarks only: an object whose `mark(phase, *arrays)` is called at the end of each phase
             ("prefill", then per cycle "host", "draft", "verify", "host", "rollback") with the arrays to evaluate
             there; the extra syncs slow decoding (see `bench.methods.PhaseProfiler`).
@@ -190,7 +208,11 @@ def dflash_generate_step(
     Yields:
         Cycle: the tokens each verify pass commits, in order.
     """
-    if drafter is None:
+    if sources is not None and lookup is None:
+        raise DFlashError("a draft-source choice needs a lookup index")
+    if sources is not None and block_size is None:
+        width = width or sources
+    elif drafter is None:
         block_size = 1
     if block_size is not None or width is None:
         block_size = block_size or drafter.block_size
@@ -199,7 +221,7 @@ def dflash_generate_step(
         width = FixedWidth(block_size)
     if mask_token_id is None and drafter is not None:
         mask_token_id = drafter.mask_token_id
-    if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1):
+    if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1) and sources is None:
         raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
     state = state or DecodeState.fresh(target, drafter)
     target.check_rollback_supported(state.target_cache)
@@ -210,10 +232,16 @@ def dflash_generate_step(
 
     # Prefill: the prompt's features go to the draft cache, its last logits choose the first token.
     acceptor.observe(prompt)  # history-dependent logits processors see every token the target has seen
+    if lookup is not None:
+        lookup.extend(prompt.tolist())
+    if sources is None:
+        lookup = None  # fixed widths draft from the drafter alone
     last_logits = prefill(target, drafter, prompt, state, prefill_step_size, prefill_progress)
     first = int(acceptor.first(last_logits).item())
     state.last_token = first
     acceptor.observe([first])
+    if lookup is not None:
+        lookup.extend([first])
     mark("prefill")
     yield Cycle([first], 0, 1, logits=last_logits[None], is_prefill=True)
     emitted = 1
@@ -223,11 +251,20 @@ def dflash_generate_step(
     def launch() -> _Pending:
         """Draft, verify and accept one block, queued on the device; its width is chosen now."""
         mark("host")
+        if sources is not None:
+            # The context's continuation is looked up now, on the host: every committed token is known here.
+            sources.offer(lookup.propose(int(min(sources.lookup_width, limit - emitted)) - 1))
         w = int(min(width.choose(), limit - emitted))
+        source = (sources.source if sources is not None else DFLASH) if w > 1 else PLAIN
         head = mx.array([[state.last_token]], dtype=mx.int32)
         flushed, draft, draft_logits = None, mx.zeros((0,), dtype=mx.int32), None
         with mx.stream(generation_stream):
-            if w > 1:
+            if source == LOOKUP:
+                copied = sources.lookup_tokens[: w - 1]
+                w = len(copied) + 1
+                draft = acceptor.propose_tokens(mx.array(copied, dtype=mx.int32))
+                mark("draft", draft)
+            elif w > 1:
                 flushed = state.flush_context(drafter)
                 block_ids = mx.array([[state.last_token] + [mask_token_id] * (w - 1)], dtype=mx.int32)
                 if hasattr(drafter, "draft_walk"):
@@ -245,7 +282,7 @@ def dflash_generate_step(
             packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, draft])
         mark("verify", packed, hidden)
         mx.async_eval(packed, hidden)
-        return _Pending(w, packed, logits[0], hidden, flushed)
+        return _Pending(w, source, packed, logits[0], hidden, flushed)
 
     cycles, synced = 0, time.perf_counter()
     pending: Optional[_Pending] = launch()
@@ -263,15 +300,17 @@ def dflash_generate_step(
             keep = len(tokens)
             target.rollback(state.target_cache, cur.width - keep)
             mark("rollback", [c.state for c in state.target_cache])
-            state.commit(cur.hidden[:, :keep], tokens[-1])
+            state.commit(cur.hidden[:, :keep] if drafter is not None else None, tokens[-1])
             acceptor.observe(tokens)
+            if lookup is not None:
+                lookup.extend(tokens)
             emitted += keep
             cycles += 1
             if cycles % CLEAR_CACHE_EVERY == 0:
                 mx.clear_cache()
             if tokens[-1] not in stops and emitted < limit:
                 pending = launch()
-            yield Cycle(tokens, acc, cur.width, logits=cur.logits[:keep])
+            yield Cycle(tokens, acc, cur.width, logits=cur.logits[:keep], source=cur.source)
     finally:
         if pending is not None:
             # The caller stopped early: undo the queued cycle so the caches hold exactly the committed tokens.

@@ -13,6 +13,10 @@ prefix cache, the bench into timed chunks. The rules that used to live in each o
   when sampled output must be reproducible (a seed and a non-greedy acceptor) from a fixed cost model instead of
   the clock; then wrapped by the installed coordinator (several ranks must choose alike, see
   `width.install_coordinator`: the distributed layer installs one, the core never imports it);
+- the draft source: with `lookup` on (the default with a drafter and a chosen width; `lookup=True` without a
+  drafter is lookup alone), each pass drafts from the drafter, from the context (`lookup.LookupIndex`, kept in
+  `state.extra["lookup"]` so a chat's later turns and a server's cached prefix (`history`) are searched too) or
+  not at all, as `sources.SourceChoice` finds fastest;
 - statistics (`stats.AcceptanceStats`) and the acceptance-collapse watch: one warning per generation, logged when
   the generation ends (after its last text), so that it never splits the text a terminal is showing;
 - detokenization: each committed token's text segment, as mlx-lm's streaming detokenizer gives it.
@@ -31,6 +35,8 @@ import mlx.core as mx
 from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
 from .engine import DecodeState, dflash_generate_step
 from .errors import DFlashError
+from .lookup import LookupIndex
+from .sources import SourceChoice
 from .stats import AcceptanceStats, CollapseWatch
 from .width import Width, WidthPolicy, coordinate, nominal_cost
 
@@ -46,6 +52,7 @@ class Pass:
     width: int  # tokens the pass verified (1: a plain decoding step; 1 for the prefill's token)
     logits: mx.array  # [len(tokens), V] the target logits that chose each token (lazy)
     is_prefill: bool = False
+    source: str = "plain"  # where its drafts came from: "dflash", "lookup" or "plain" (no drafts)
     segments: List[str] = field(default_factory=list)  # text each token added (detokenized; "" for a stop token)
     finish_reason: Optional[str] = None  # "stop" (a stop token), "length" (the token limit) or None
 
@@ -71,6 +78,8 @@ class Generation:
         tokenizer_lock: held while detokenizing (the server shares its tokenizer with other threads).
         warn_collapse: log one warning (logger "dflash_mlx") when drafts were almost never accepted, once the
             generation has ended; `collapse_warning` holds it from the pass where it was noticed.
+        lookup: draft from the context too (None: on when there is a drafter; True without a drafter: lookup
+            alone). Only with a chosen width (no `width`, no `width_policy`). lookup_width: widest lookup pass.
         prefill_step_size, prefill_progress, mask_token_id, profiler: as `engine.dflash_generate_step` takes them.
     """
 
@@ -80,7 +89,8 @@ class Generation:
                  history: Optional[Sequence[int]] = None, stop_tokens: Sequence[int] = (),
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
-                 mask_token_id: Optional[int] = None, profiler=None, **sampling):
+                 mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
+                 lookup_width: int = 16, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
         if acceptor is None:
@@ -92,13 +102,21 @@ class Generation:
         if self.prompt.size == 0:
             raise DFlashError("the prompt is empty")
         self.max_tokens = max_tokens
-        self.adaptive = drafter is not None and width is None
+        use_lookup = (drafter is not None if lookup is None else bool(lookup)) and width is None \
+            and width_policy is None
+        self.adaptive = (drafter is not None or use_lookup) and width is None
+        self.sources: Optional[SourceChoice] = None
         if self.adaptive and width_policy is None:
             # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
             reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
-            widest = max_width or drafter.block_size
-            width_policy = coordinate(WidthPolicy(widest, cost=nominal_cost if reproducible else None))
+            cost = nominal_cost if reproducible else None
+            policy = WidthPolicy(max_width or drafter.block_size, cost=cost) if drafter is not None else None
+            if use_lookup:
+                self.sources = SourceChoice(policy, lookup_width, cost=cost)
+                policy = self.sources
+            width_policy = coordinate(policy)
         self.width_policy = width_policy if self.adaptive else None
+        self.lookup = _lookup_index(state, history) if use_lookup else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)
         # A drafter we picked for this target by name is known to fit it; any other may be made for another one.
         made_for = getattr(drafter, "made_for", None)
@@ -123,7 +141,8 @@ class Generation:
         self._cycles = dflash_generate_step(
             self.prompt, target, drafter, max_tokens=max_tokens, block_size=width if drafter is not None else None,
             mask_token_id=mask_token_id, stop_tokens=self.stops, prefill_step_size=prefill_step_size, state=state,
-            acceptor=acceptor, width=self.width_policy, prefill_progress=prefill_progress, profiler=profiler)
+            acceptor=acceptor, width=self.width_policy, prefill_progress=prefill_progress, profiler=profiler,
+            lookup=self.lookup, sources=self.sources)
 
     # -- the passes ------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Pass]:
@@ -133,7 +152,7 @@ class Generation:
                 self.prefill_seconds = time.perf_counter() - tic
                 self.started = time.perf_counter()
             else:
-                self._record(cycle.accepted, cycle.width)
+                self._record(cycle.accepted, cycle.width, cycle.source)
             self.tokens_generated += len(cycle.tokens)
             finish = None
             if cycle.tokens and cycle.tokens[-1] in self.stops:
@@ -141,7 +160,7 @@ class Generation:
             elif self.max_tokens > 0 and self.tokens_generated >= self.max_tokens:
                 finish = "length"
             self.finish_reason = finish
-            yield Pass(cycle.tokens, cycle.accepted, cycle.width, cycle.logits, cycle.is_prefill,
+            yield Pass(cycle.tokens, cycle.accepted, cycle.width, cycle.logits, cycle.is_prefill, cycle.source,
                        self._segments(cycle.tokens, finish), finish)
             if finish:
                 break
@@ -164,8 +183,8 @@ class Generation:
         self.close()
 
     # -- bookkeeping -----------------------------------------------------------------------------------------------
-    def _record(self, accepted: int, width: int) -> None:
-        self.stats.record(accepted, width)
+    def _record(self, accepted: int, width: int, source: str) -> None:
+        self.stats.record(accepted, width, source)
         self.drafted += width - 1
         self.accepted += accepted
         message = self.watch.check(self.stats) if self.watch else None
@@ -193,6 +212,19 @@ class Generation:
     @property
     def generation_seconds(self) -> float:
         return time.perf_counter() - self.started if self.started else 0.0
+
+
+def _lookup_index(state: Optional[DecodeState], history: Optional[Sequence[int]]) -> LookupIndex:
+    """The conversation's lookup index: the one a continued `state` carries (a chat's earlier turns), else one built
+    from `history` (a server's cached prefix); the engine extends it with the prompt and the committed tokens."""
+    index = state.extra.get("lookup") if state is not None else None
+    if index is None or (history is not None and len(history) and len(index) != len(history)):
+        index = LookupIndex()
+        if history is not None:
+            index.extend(int(t) for t in history)
+        if state is not None:
+            state.extra["lookup"] = index
+    return index
 
 
 def _acceptor(sampling: dict) -> Acceptor:

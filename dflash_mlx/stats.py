@@ -1,10 +1,11 @@
 """Acceptance statistics of a DFlash run: τ (mean tokens committed per verify pass), its histogram, the verify
-widths used, and the warning when acceptance collapses."""
+widths used, the passes and tokens of each draft source (DFlash drafter, lookup copies, none), and the warning when
+the drafter's acceptance collapses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -16,18 +17,24 @@ class AcceptanceStats:
     max_block: int = 0
     histogram: Dict[int, int] = field(default_factory=dict)  # tokens committed per cycle (acc + 1) -> count
     widths: Dict[int, int] = field(default_factory=dict)  # verify width -> cycles
-    drafted_cycles: int = 0  # cycles of width > 1
+    drafted_cycles: int = 0  # cycles of width > 1 drafted by the drafter
     drafted_accepted: int = 0  # drafts accepted in those cycles
     adaptive: bool = False
+    sources: Dict[str, List[int]] = field(default_factory=dict)  # source -> [passes, tokens committed]
 
-    def record(self, accepted: int, block_size: int) -> None:
+    def record(self, accepted: int, block_size: int, source: Optional[str] = None) -> None:
+        """One verify pass; `source` is "dflash", "lookup" or "plain" (default: by its width)."""
+        source = source or ("dflash" if block_size > 1 else "plain")
+        counts = self.sources.setdefault(source, [0, 0])
+        counts[0] += 1
+        counts[1] += accepted + 1
         length = accepted + 1
         self.cycles += 1
         self.committed += length
         self.max_block = max(self.max_block, block_size)
         self.histogram[length] = self.histogram.get(length, 0) + 1
         self.widths[block_size] = self.widths.get(block_size, 0) + 1
-        if block_size > 1:
+        if block_size > 1 and source == "dflash":  # the collapse watch judges the drafter alone
             self.drafted_cycles += 1
             self.drafted_accepted += accepted
 
@@ -40,6 +47,15 @@ class AcceptanceStats:
     def accepted_per_draft(self) -> float:
         """Mean drafts accepted per drafting pass (width > 1); 0 when nothing was drafted."""
         return self.drafted_accepted / self.drafted_cycles if self.drafted_cycles else 0.0
+
+    def format_sources(self) -> str:
+        """Passes and tokens per draft source: "dflash 12 passes / 40 tokens, lookup 5 / 61, plain 30 / 30"."""
+        parts = [f"{name} {p} / {t}" for name, (p, t) in sorted(self.sources.items(), key=lambda i: -i[1][1])]
+        return ", ".join(parts) + " (passes / tokens)" if parts else "(no verify passes)"
+
+    def source_counts(self) -> Dict[str, Dict[str, int]]:
+        """{source: {"passes": n, "tokens": n}} for machine-readable reports."""
+        return {name: {"passes": p, "tokens": t} for name, (p, t) in sorted(self.sources.items())}
 
     def format_widths(self) -> str:
         """Verify widths used, most used first: "1 x 120, 16 x 8"."""
@@ -57,6 +73,8 @@ class AcceptanceStats:
             lines.append(f"{length:>3} | {bar:<{width}} {count}")
         how = "chosen per pass" if self.adaptive else "fixed"
         lines.append(f"verify widths ({how}): {self.format_widths()}")
+        if set(self.sources) - {"plain", "dflash"}:
+            lines.append(f"draft sources: {self.format_sources()}")
         return "\n".join(lines)
 
 

@@ -1,0 +1,200 @@
+"""The draft source and verify width of each pass: {DFlash block, lookup continuation, none} x width.
+
+`width.WidthPolicy` chooses the width of DFlash passes by expected committed tokens per second. `SourceChoice`
+extends that choice to where the draft comes from. Before each pass the engine hands it the offers it has: a
+lookup continuation (`lookup.LookupIndex.propose`, tokens copied from the context) and, when there is a drafter,
+a DFlash block. For each source s and width w it estimates the rate E_s(w) / c_s(w) and takes the best:
+
+- E_s(w) = 1 + sum_{i<w} prod_{j<=i} a_j, from per-slot acceptance a_j (slot j accepted given 1..j-1 were). The
+  DFlash source keeps `WidthPolicy`'s own estimates (or takes the per-slot probabilities an offer brings, e.g. a
+  drafter's confidence head: `Offer.rates`). Lookup keeps faded counts per match length (a short match is a
+  guess, a long one usually a copy in progress), each shrunk toward the pooled lookup counts, those toward a prior
+  that grows with the match length.
+- c_s(w): measured seconds per pass, from the time between the engine's syncs, per source (a lookup pass is a
+  verify pass without the drafter's forward, so it is cheaper than a DFlash pass of the same width). Plain decoding
+  (w = 1) is one cost shared by both. Lookup widths not yet measured are taken as the nearest measured one (or
+  plain decoding's), so they are tried.
+
+A lookup offer that loses is not tried: its acceptance estimate only fades back toward the prior, so a match
+length that failed is retried after a while rather than every pass. With no drafter, the choice is lookup or
+plain decoding. Every choice commits only the target's own tokens, so any sequence of choices is lossless.
+
+`SourceChoice` has the `width.Width` shape (`choose()`, `record(width, accepted, seconds)`), so the distributed
+layer's coordinator can wrap it like a width policy; the engine hands it the pass's offer first (`offer`) and reads
+the chosen source after (`source`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from .lookup import LookupDraft
+from .width import WidthPolicy
+
+DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"
+SOURCES = (DFLASH, LOOKUP, PLAIN)
+
+# Match lengths are pooled into these buckets (a bucket is the largest bound <= the match length).
+MATCH_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def match_bucket(match: int) -> int:
+    return max([b for b in MATCH_BUCKETS if b <= match] or [MATCH_BUCKETS[0]])
+
+
+@dataclass
+class Offer:
+    """A draft source's proposal for the next pass, before its width is chosen."""
+
+    source: str
+    max_width: int  # the widest pass it can fill (drafts + 1)
+    tokens: Optional[List[int]] = None  # lookup: the copied continuation
+    match: int = 0  # lookup: match length
+    rates: Optional[List[float]] = None  # per-slot acceptance estimates the source supplies (e.g. a confidence head)
+
+
+def expected_tokens(rates: List[float]) -> List[float]:
+    """E(w) for w = 1..len(rates)+1 (index w-1) from per-slot acceptance."""
+    expected, run = [1.0], 1.0
+    for a in rates:
+        run *= a
+        expected.append(expected[-1] + run)
+    return expected
+
+
+class _SlotCounts:
+    """Faded counts of slot acceptance (slot i accepted given slots before it were), as `WidthPolicy` keeps."""
+
+    def __init__(self, slots: int):
+        self.hits = [0.0] * (slots + 1)
+        self.trials = [0.0] * (slots + 1)
+
+    def fade(self, decay: float) -> None:
+        self.trials = [decay * t for t in self.trials]
+        self.hits = [decay * h for h in self.hits]
+
+    def add(self, accepted: int, drafted: int) -> None:
+        for i in range(1, min(accepted + 1, drafted) + 1):
+            self.trials[i] += 1.0
+            self.hits[i] += 1.0 if i <= accepted else 0.0
+
+    def rates(self, prior: List[float], weight: float) -> List[float]:
+        """Per-slot acceptance, each slot shrunk toward `prior` (same length) with `weight` observations."""
+        return [(self.hits[i] + weight * prior[i - 1]) / (self.trials[i] + weight) for i in range(1, len(prior) + 1)]
+
+
+class SourceChoice:
+    """Chooses each pass's draft source and width; see the module docstring.
+
+    Args:
+        dflash: the DFlash width policy (it also measures plain decoding), or None without a drafter.
+        lookup_width: the widest lookup pass (drafts + 1).
+        decay: weight kept by lookup acceptance counts from one pass to the next.
+        prior_weight: observations the pooled lookup counts weigh in each match length's estimate (and the prior
+            in the pooled counts).
+        cost: a fixed cost per width instead of measured seconds (`width.nominal_cost`: reproducible sampling).
+    """
+
+    def __init__(self, dflash: Optional[WidthPolicy], lookup_width: int = 16, *, decay: float = 0.98,
+                 prior_weight: float = 1.0, cost: Optional[Callable[[int], float]] = None):
+        self.dflash = dflash
+        self.lookup_width = max(2, lookup_width)
+        self.decay, self.prior_weight = decay, prior_weight
+        # Lookup pass costs (and plain decoding's when there is no drafter) in a width policy's cost table.
+        self.costs = WidthPolicy(self.lookup_width, cost=cost)
+        self.pooled = _SlotCounts(self.lookup_width - 1)
+        self.by_match: Dict[int, _SlotCounts] = {}
+        self._offer: Optional[Offer] = None
+        self.source = PLAIN  # the source of the pass last chosen
+        self._chosen: Optional[Offer] = None
+
+    # -- estimates -----------------------------------------------------------------------------------------------
+    def lookup_rates(self, match: int, slots: int) -> List[float]:
+        """Acceptance of lookup slots 1..slots for a match of this length."""
+        slots = min(slots, self.lookup_width - 1)
+        # Prior: a continuation after m matching tokens is right about m/(m+2) of the time per slot.
+        bucket = match_bucket(match)
+        prior = [bucket / (bucket + 2.0)] * slots
+        pooled = self.pooled.rates(prior, self.prior_weight)
+        counts = self.by_match.get(bucket)
+        return counts.rates(pooled, self.prior_weight) if counts is not None else pooled
+
+    def plain_cost(self) -> Optional[float]:
+        if self.dflash is not None and self.dflash.costs:
+            return self.dflash.cost(1)
+        return self.costs.cost(1)
+
+    def lookup_cost(self, width: int) -> Optional[float]:
+        measured = {w for w in self.costs.costs if w > 1}
+        if not measured:
+            return self.plain_cost()  # optimistic until measured, so lookup gets tried
+        return self.costs.cost(width)
+
+    def _best_lookup(self, offer: Offer):
+        """(rate, width) of the best lookup pass for this offer (rate None while nothing is measured)."""
+        widest = min(offer.max_width, self.lookup_width)
+        rates = offer.rates or self.lookup_rates(offer.match, widest - 1)
+        expected = expected_tokens(rates[: widest - 1])
+        best = (None, 1)
+        for w in range(2, widest + 1):
+            cost = self.lookup_cost(w)
+            if cost is None:
+                return None, widest
+            rate = expected[w - 1] / max(cost, 1e-9)
+            if best[0] is None or rate > best[0] * 1.01:
+                best = (rate, w)
+        return best
+
+    # -- the engine's calls --------------------------------------------------------------------------------------
+    def offer(self, lookup: Optional[LookupDraft]) -> None:
+        """The lookup continuation available for the next pass (None: no match)."""
+        self._offer = (Offer(LOOKUP, len(lookup.tokens) + 1, lookup.tokens, lookup.match)
+                       if lookup is not None and lookup.tokens else None)
+
+    def choose(self) -> int:
+        offer, self._offer, self._chosen = self._offer, None, None
+        if offer is not None:
+            rate, w = self._best_lookup(offer)
+            if rate is None and (self.dflash is None or not self.dflash.costs):
+                pass  # nothing measured yet: copy (a context match is the better first guess)
+            else:
+                rivals = self._rival_rate()
+                if rate is None or rivals is None or rate <= rivals:
+                    offer = None
+            if offer is not None:
+                self.source, self._chosen = LOOKUP, offer
+                return w
+        if self.dflash is not None:
+            w = self.dflash.choose()
+        else:
+            w = 1
+        self.source = DFLASH if w > 1 else PLAIN
+        return w
+
+    def _rival_rate(self) -> Optional[float]:
+        """The best rate without lookup: DFlash at its best width, or plain decoding."""
+        if self.dflash is not None and self.dflash.costs:
+            return max(self.dflash.rates_per_second())
+        plain = self.plain_cost()
+        return 1.0 / plain if plain else None
+
+    @property
+    def lookup_tokens(self) -> List[int]:
+        """The continuation of the lookup pass just chosen."""
+        return self._chosen.tokens if self._chosen is not None else []
+
+    def record(self, width: int, accepted: int, seconds: float) -> None:
+        """One finished pass of the source last chosen."""
+        # Every pass fades the lookup counts, so a match length that failed is retried after a while.
+        for counts in [self.pooled, *self.by_match.values()]:
+            counts.fade(self.decay)
+        if self.source == LOOKUP and width > 1:
+            self.costs.record(width, accepted, seconds)
+            bucket = match_bucket(self._chosen.match if self._chosen is not None else MATCH_BUCKETS[0])
+            self.pooled.add(accepted, width - 1)
+            self.by_match.setdefault(bucket, _SlotCounts(self.lookup_width - 1)).add(accepted, width - 1)
+        elif self.dflash is not None:
+            self.dflash.record(width, accepted, seconds)
+        else:
+            self.costs.record(width, accepted, seconds)
