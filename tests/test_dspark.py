@@ -1,0 +1,229 @@
+"""The DSpark drafter family: every packaging loads, drafts like the reference, and decoding stays lossless.
+
+Parity: tiny random checkpoints in each published packaging (tests/fixtures/make_dspark.py writes them; the tests
+write them again) are compared with the reference implementation's outputs committed in tests/fixtures/dspark/:
+the draft rows (parallel logits + Markov term) and confidences of two consecutive cached draft steps (fp32, 1e-4),
+and the accepted drafts per verify pass of the reference's greedy loop on a tiny target.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import tiny
+from dflash_mlx.acceptance import SamplingAcceptor
+from dflash_mlx.convert.drafter import convert_drafter
+from dflash_mlx.drafter_families import describe
+from dflash_mlx.drafter_io import load_drafter, read_config
+from dflash_mlx.dspark import DSparkDrafter
+from dflash_mlx.dspark_config import DSparkConfig
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.targets import TargetModel
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+import make_dspark  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dspark"
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dspark")
+    return {name: make_dspark.write_checkpoint(root / name, name) for name in make_dspark.PACKAGINGS}
+
+
+def _block(drafter, anchor):
+    return mx.array([[anchor] + [drafter.mask_token_id] * (drafter.block_size - 1)], dtype=mx.int32)
+
+
+@pytest.mark.parametrize("name", list(make_dspark.PACKAGINGS))
+def test_two_cached_draft_steps_match_the_reference(name, checkpoints):
+    ref = np.load(FIXTURES / f"{name}.npz")
+    drafter = load_drafter(checkpoints[name])
+    assert isinstance(drafter, DSparkDrafter) and describe(drafter).startswith("DSpark drafter")
+    cfg = drafter.config
+    assert cfg.logits_start == int(ref["logits_start"])
+    assert drafter.block_size == len(ref["drafts0"]) + 1  # widest verify pass = drafts + bonus
+    cache = drafter.make_cache()
+    for step, (feat, anchor) in enumerate(zip(make_dspark.features(), make_dspark.ANCHORS)):
+        drafter.append_context(mx.array(feat), cache)
+        block = _block(drafter, anchor)
+        walk = drafter.draft_walk(block, cache)
+        prevs = [anchor] + [int(t) for t in ref[f"drafts{step}"][:-1]]
+        rows = np.stack([np.array(walk.draft_row(i, mx.array(p))) for i, p in enumerate(prevs)])
+        np.testing.assert_allclose(rows, ref[f"rows{step}"], atol=TOL, rtol=TOL)
+        assert np.array(drafter.greedy_draft(block, cache))[0].tolist() == ref[f"drafts{step}"].tolist()
+        if f"confidence{step}" in ref:
+            np.testing.assert_allclose(np.array(walk.confidence()), ref[f"confidence{step}"], atol=TOL)
+        else:
+            assert walk.confidence() is None
+
+
+@pytest.mark.parametrize("name", make_dspark.ACCEPTANCE)
+def test_acceptance_per_pass_matches_the_reference(name, checkpoints):
+    ref = np.load(FIXTURES / f"{name}.npz")
+    drafter = load_drafter(checkpoints[name])
+    t = TargetModel(tiny.target("qwen3"), drafter.config.target_layer_ids)
+    prompt = tiny.prompt_ids(12)
+    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=len(ref["tokens"]))
+    assert tokens == tiny.reference("qwen3", prompt, len(tokens)) == ref["tokens"].tolist()
+    got = [c.accepted for c in cycles[1:]]
+    # The last pass may be narrower (the token budget): compare every full-width pass.
+    assert got[:-1] == ref["accepted"].tolist()[: len(got) - 1] and sum(got) > 10
+
+
+def _random_dspark(model, block=7, logits_start=0, seed=1, **kw):
+    n = tiny.num_layers(model)
+    cfg = DSparkConfig(hidden_size=tiny.HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, intermediate_size=96, vocab_size=model.args.vocab_size, rope_theta=10000.0,
+                       target_layer_ids=sorted({min(1, n - 1), n - 1}), mask_token_id=model.args.vocab_size - 1,
+                       dspark_block=block, logits_start=logits_start, block_size=block + 1 - logits_start,
+                       **dict(dict(markov_rank=8, enable_confidence_head=True), **kw))
+    drafter = tiny.randomize(DSparkDrafter(cfg), seed)
+    return drafter, TargetModel(model, cfg.target_layer_ids)
+
+
+@pytest.mark.parametrize("kind", tiny.CORE_KINDS + ("qwen3_tied",))
+@pytest.mark.parametrize("block,logits_start,width", [(7, 0, 8), (7, 0, 3), (4, 1, 4), (9, 0, 10)])
+def test_greedy_output_is_plain_greedy(kind, block, logits_start, width):
+    drafter, t = _random_dspark(tiny.target(kind), block, logits_start)
+    prompt = tiny.prompt_ids(10, seed=2)
+    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, block_size=width)
+    assert tokens == tiny.reference(kind, prompt, 24)
+    assert max(c.width for c in cycles) == width
+
+
+def test_bigram_drafter_is_lossless_on_every_width(checkpoints):
+    drafter = load_drafter(checkpoints["deepspec"])
+    t = TargetModel(tiny.target("qwen3"), drafter.config.target_layer_ids)
+    prompt = tiny.prompt_ids(12)
+    for width in (2, 5, drafter.block_size):
+        tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=40, block_size=width)
+        assert tokens == tiny.reference("qwen3", prompt, 40)
+        assert sum(c.accepted for c in cycles) > 5
+
+
+def test_markov_term_changes_the_proposal(checkpoints):
+    drafter = load_drafter(checkpoints["specforge"])  # a random Markov head
+    cache = drafter.make_cache()
+    drafter.append_context(mx.array(make_dspark.features()[0]), cache)
+    block = _block(drafter, make_dspark.ANCHORS[0])
+    parallel = mx.argmax(drafter.draft_logits(drafter.slot_hidden(block, cache)), axis=-1)
+    greedy = drafter.greedy_draft(block, cache)[0]
+    assert not mx.array_equal(parallel, greedy)
+    assert mx.array_equal(mx.argmax(drafter(block, cache)[0], axis=-1), greedy)  # __call__ = the greedy walk's rows
+
+
+def test_width_beyond_the_drafts_is_one_clear_error(checkpoints):
+    drafter = load_drafter(checkpoints["deepspec"])
+    too_wide = mx.array([[1] + [drafter.mask_token_id] * drafter.block_size], dtype=mx.int32)
+    with pytest.raises(DFlashError, match="at most 8"):
+        drafter.greedy_draft(too_wide, drafter.make_cache())
+
+
+# -- sampling: chi-square against the exact joint of the first three tokens -------------------------------------------
+def test_sampling_with_the_markov_walk_is_exact():
+    from test_sampling import ALPHA, E2E_VOCAB, PROMPT, chi2_pvalue, exact_target_joint, joint_counts
+
+    model = tiny.build_target("llama", seed=3, num_hidden_layers=1, vocab_size=E2E_VOCAB)
+    cfg = DSparkConfig(hidden_size=tiny.HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, intermediate_size=96, vocab_size=E2E_VOCAB, rope_theta=10000.0,
+                       target_layer_ids=[0], mask_token_id=E2E_VOCAB - 1, dspark_block=2, logits_start=0,
+                       block_size=3, markov_rank=E2E_VOCAB, enable_confidence_head=False)
+    drafter = tiny.randomize(DSparkDrafter(cfg), 5)
+    # A strong Markov term: the proposal for slot 1 depends on the token drawn at slot 0.
+    drafter.markov_head.markov_w1.weight = mx.eye(E2E_VOCAB) * 3.0
+    t = TargetModel(model, cfg.target_layer_ids)
+    params = SamplingParams(temp=1.0)
+    seqs, accepted = [], 0
+    for seed in range(400):
+        tokens, cycles = tiny.run_dflash(PROMPT, t, drafter, max_tokens=4, acceptor=SamplingAcceptor(params, seed=seed))
+        seqs.append(tokens[:3])
+        accepted += sum(c.accepted for c in cycles)
+    assert chi2_pvalue(joint_counts(np.array(seqs), E2E_VOCAB), exact_target_joint(model, PROMPT, params)) > ALPHA
+    assert accepted > 40
+
+
+# -- conversion and loading -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["deepspec", "speculators"])
+@pytest.mark.parametrize("bits,tolerance", [(4, 0.5), (8, 0.08)])
+def test_quantized_conversion_round_trips(name, bits, tolerance, checkpoints, tmp_path):
+    out = convert_drafter(str(checkpoints[name]), tmp_path / "q", dtype="float32", q_bits=bits, q_group_size=32)
+    ref = load_drafter(checkpoints[name])
+    got = load_drafter(out)
+    assert read_config(out).to_dict() == dict(ref.config.to_dict(), quantization={"group_size": 32, "bits": bits})
+    assert isinstance(got.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    # The Markov and confidence heads stay float: small and sensitive.
+    assert type(got.markov_head.markov_w2) is nn.Linear and type(got.confidence_head.proj) is nn.Linear
+    assert type(got.markov_head.markov_w1) is nn.Embedding
+    rows = []
+    for d in (ref, got):
+        cache = d.make_cache()
+        d.append_context(mx.array(make_dspark.features()[0]), cache)
+        rows.append(d.draft_logits(d.slot_hidden(_block(d, make_dspark.ANCHORS[0]), cache)))  # parallel part
+    err = (mx.linalg.norm(rows[1] - rows[0]) / mx.linalg.norm(rows[0])).item()
+    assert 0 < err < tolerance, err
+    t = TargetModel(tiny.target("qwen3"), got.config.target_layer_ids)
+    tokens, _ = tiny.run_dflash(tiny.prompt_ids(12), t, got, max_tokens=24)
+    assert tokens == tiny.reference("qwen3", tiny.prompt_ids(12), 24)
+
+
+def test_float_conversion_is_exact(checkpoints, tmp_path):
+    out = convert_drafter(str(checkpoints["lfm2"]), tmp_path / "f", dtype="float32")
+    a, b = load_drafter(checkpoints["lfm2"]), load_drafter(out)
+    assert b.config.rope_traditional and b.config.packaging == "lfm2"
+    for d in (a, b):
+        d.cache = d.make_cache()
+        d.append_context(mx.array(make_dspark.features()[0]), d.cache)
+    block = _block(a, 3)
+    assert mx.array_equal(a(block, a.cache), b(block, b.cache))
+
+
+BAD = [
+    ("deepspec", {"model_type": "gemma4_text"}, "model_type"),
+    ("deepspec", {"attention_sink_bias": True}, "attention_sink_bias"),
+    ("deepspec", {"dflash_query_causal": True}, "dflash_query_causal"),
+    ("deepspec", {"log_snr_conditioning": True}, "log_snr_conditioning"),
+    ("deepspec", {"markov_head_type": "gated"}, "markov_head_type"),
+    ("deepspec", {"block_size": None, "dspark_num_layers": 1}, "dspark_num_layers"),
+    ("deepspec", {"logits_start": 3}, "logits_start"),
+    ("deepspec", {"mask_token_id": None}, "mask_token_id"),
+    ("speculators", {"aux_hidden_state_layer_ids": None}, "aux_hidden_state_layer_ids"),
+]
+
+
+@pytest.mark.parametrize("name,change,key", BAD)
+def test_bad_configs_are_one_line_naming_the_key(name, change, key, tmp_path):
+    import json
+
+    path = make_dspark.write_checkpoint(tmp_path / name, name)
+    raw = json.loads((path / "config.json").read_text())
+    for k, v in change.items():
+        if v is None:
+            raw.pop(k, None)
+        else:
+            raw[k] = v
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(DFlashError) as e:
+        load_drafter(path)
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_d2t_is_refused(checkpoints, tmp_path):
+    import shutil
+
+    path = tmp_path / "nod2t"
+    shutil.copytree(checkpoints["speculators"], path)
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    del weights["d2t"]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    with pytest.raises(DFlashError, match="d2t"):
+        load_drafter(path)
