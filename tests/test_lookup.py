@@ -1,0 +1,207 @@
+"""Prompt-lookup drafting: the context index, the per-pass source choice, and losslessness with lookup, DFlash and
+plain passes mixed in one generation (greedy on every tiny family; sampling exactness is in test_sampling.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import tiny
+from dflash_mlx.engine import DecodeState
+from dflash_mlx.generation import Generation
+from dflash_mlx.lookup import LookupIndex
+from dflash_mlx.sources import DFLASH, LOOKUP, PLAIN, SourceChoice, match_bucket
+from dflash_mlx.stats import AcceptanceStats
+from dflash_mlx.width import WidthPolicy
+
+
+# -- the index ---------------------------------------------------------------------------------------------------------
+def test_index_proposes_what_followed_the_longest_most_recent_match():
+    index = LookupIndex(min_n=2, max_n=4)
+    index.extend([1, 2, 3, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    draft = index.propose(3)
+    # The suffix [1, 2, 3] last occurred before at positions 4..6, followed by 4, 5, 6 (not the older 9).
+    assert draft.tokens == [4, 5, 6] and draft.match == 3
+    index.extend([4])
+    draft = index.propose(10)
+    assert draft.tokens == [5, 6, 7, 1, 2, 3, 4] and draft.match == 4  # runs up to the newest token
+
+
+def test_index_measures_the_match_beyond_max_n_and_misses_cleanly():
+    index = LookupIndex(min_n=2, max_n=3, max_match=32)
+    run = list(range(10, 30))
+    index.extend(run + [99] + run[:12])
+    draft = index.propose(4)
+    assert draft.tokens == run[12:16] and draft.match == 12  # extended backwards past max_n
+    index.extend([77, 78])  # an unseen bigram
+    assert index.propose(4) is None
+    assert LookupIndex().propose(4) is None and index.propose(0) is None
+
+
+def test_index_grows_by_a_constant_per_token():
+    index = LookupIndex(min_n=2, max_n=5)
+    index.extend(tiny.prompt_ids(500, seed=3))
+    assert len(index) == 500 and len(index._follow) <= 4 * 500
+    # The newest suffix is never its own match: only an earlier occurrence proposes.
+    fresh = LookupIndex(min_n=2, max_n=2)
+    fresh.extend([5, 6])
+    assert fresh.propose(3) is None
+
+
+# -- lossless with every source mixed in one generation --------------------------------------------------------------
+class ScriptedChoice(SourceChoice):  # also used by test_sampling.py
+    """Sources and widths in a fixed rotation, whatever the estimates: ("lookup", w), ("dflash", w), ("plain", 1).
+    A lookup turn without a match becomes a plain pass."""
+
+    def __init__(self, schedule, dflash=True, lookup_width=6):
+        super().__init__(WidthPolicy(8) if dflash else None, lookup_width)
+        self.schedule, self.turn, self.seen = list(schedule), 0, []
+        self.recorded = []
+
+    def choose(self):
+        source, w = self.schedule[self.turn % len(self.schedule)]
+        self.turn += 1
+        offer, self._offer = self._offer, None
+        self._chosen = None
+        if source == LOOKUP and offer is not None:
+            self.source, self._chosen = LOOKUP, offer
+            return min(w, offer.max_width)
+        if source == DFLASH:
+            self.source = DFLASH
+            return w
+        self.source = PLAIN
+        return 1
+
+    def record(self, width, accepted, seconds):
+        self.recorded.append((self.source, width, accepted))
+        super().record(width, accepted, seconds)
+
+
+def _copying_prompt(seed: int):
+    p = tiny.prompt_ids(10, seed=seed)
+    return p + p[:6]  # the answer may continue the copy: lookup matches from the first pass
+
+
+SCHEDULE = [(LOOKUP, 6), (DFLASH, 3), (LOOKUP, 4), (PLAIN, 1), (DFLASH, 4), (LOOKUP, 3)]
+
+
+@pytest.mark.parametrize("kind", tiny.ALL_KINDS)
+def test_greedy_lossless_with_lookup_dflash_and_plain_passes_mixed(kind):
+    model = tiny.target(kind)
+    drafter, t = tiny.make_drafter(model, block_size=4)
+    totals = {LOOKUP: 0, DFLASH: 0, PLAIN: 0}
+    lookup_accepted = 0
+    for seed in (0, 1):
+        prompt = _copying_prompt(seed)
+        expected = tiny.reference(kind, prompt, 40)
+        choice = ScriptedChoice(SCHEDULE)
+        tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=40, lookup=LookupIndex(min_n=1),
+                                         sources=choice)
+        assert tokens == expected, (kind, seed)
+        for c in cycles[1:]:
+            totals[c.source] += 1
+            lookup_accepted += c.accepted if c.source == LOOKUP else 0
+        # The engine labels a pass cut to width 1 by the token limit "plain"; the choice still knows its turn.
+        assert [(c.width, c.accepted) for c in cycles[1:]] == [(w, a) for _, w, a in choice.recorded]
+        assert all(c.source == s for c, (s, w, _) in zip(cycles[1:], choice.recorded) if w > 1)
+    assert all(totals.values()), totals  # every source ran
+    assert lookup_accepted > 0  # copied drafts were accepted and rolled back partially somewhere
+
+
+@pytest.mark.parametrize("kind", tiny.CORE_KINDS)
+def test_adaptive_choice_and_lookup_alone_are_lossless(kind):
+    model = tiny.target(kind)
+    drafter, t = tiny.make_drafter(model, block_size=4)
+    prompt = _copying_prompt(2)
+    expected = tiny.reference(kind, prompt, 48, stop_tokens=[7])
+    for d, lookup in ((drafter, None), (None, True)):
+        g = Generation(t, d, prompt, max_tokens=48, stop_tokens=[7], lookup=lookup)
+        passes = list(g)
+        assert [tok for p in passes for tok in p.tokens] == expected, (kind, d is None)
+        counts = g.stats.sources
+        assert sum(n for n, _ in counts.values()) == len(passes) - 1
+        assert sum(k for _, k in counts.values()) == len(expected) - 1
+        if d is None:
+            assert DFLASH not in counts
+        assert g.sources is not None
+
+
+def test_lookup_is_off_with_a_fixed_width_or_without_drafter_by_default():
+    model = tiny.target("llama")
+    drafter, t = tiny.make_drafter(model, block_size=4)
+    prompt = _copying_prompt(0)
+    assert Generation(t, drafter, prompt, max_tokens=4, width=3).sources is None
+    plain = Generation(t, None, prompt, max_tokens=8)
+    assert plain.sources is None and {p.source for p in plain} == {PLAIN}
+
+
+def test_the_index_follows_a_conversation_across_generations():
+    model = tiny.target("qwen2")
+    drafter, t = tiny.make_drafter(model, block_size=4)
+    state = DecodeState.fresh(t, drafter)
+    first = tiny.prompt_ids(12, seed=5)
+    out1 = [tok for p in Generation(t, drafter, first, max_tokens=10, state=state) for tok in p.tokens]
+    index = state.extra["lookup"]
+    assert index.tokens == first + out1
+    second = tiny.prompt_ids(6, seed=6)
+    out2 = [tok for p in Generation(t, drafter, second, max_tokens=10, state=state) for tok in p.tokens]
+    assert state.extra["lookup"] is index and index.tokens == first + out1 + second + out2
+    # A server restores a cached prefix into fresh caches and names its tokens: the index is built from them.
+    g = Generation(t, drafter, [3], max_tokens=2, state=DecodeState.fresh(t, drafter), history=first)
+    assert g.lookup.tokens == first
+
+
+# -- the choice ----------------------------------------------------------------------------------------------------
+def _offer(choice, tokens, match):
+    from dflash_mlx.lookup import LookupDraft
+
+    choice.offer(LookupDraft(list(tokens), match))
+
+
+def test_choice_learns_per_match_length_and_falls_back_to_plain():
+    choice = SourceChoice(None, lookup_width=8, cost=lambda w: 1.0 + 0.05 * (w - 1))
+    # Long matches are always fully accepted, short ones never.
+    for _ in range(40):
+        for match, accepted in ((16, 7), (2, 0)):
+            _offer(choice, range(20), match)
+            w = choice.choose()
+            if choice.source == LOOKUP:
+                choice.record(w, min(accepted, w - 1), 1.0)
+            else:
+                choice.record(1, 0, 1.0)
+    _offer(choice, range(20), 16)
+    assert choice.choose() == 8 and choice.source == LOOKUP
+    choice.record(8, 7, 1.0)
+    _offer(choice, range(20), 2)
+    assert choice.choose() == 1 and choice.source == PLAIN
+    assert choice.lookup_rates(16, 3)[0] > 0.9 > 0.2 > choice.lookup_rates(2, 3)[0]
+    assert match_bucket(2) == 2 and match_bucket(5) == 4 and match_bucket(100) == 32
+
+
+def test_choice_weighs_lookup_against_dflash_and_takes_supplied_rates():
+    fixed = lambda w: 1.0 + 0.05 * (w - 1)  # noqa: E731
+    dflash = WidthPolicy(4, cost=fixed)
+    choice = SourceChoice(dflash, lookup_width=8, cost=fixed)
+    for _ in range(30):  # the drafter gets every slot accepted: E(4) = 4
+        choice.choose()
+        choice.record(4, 3, 1.0)
+    from dflash_mlx.sources import Offer
+
+    # A weak lookup offer loses to the drafter; one with supplied high per-slot rates wins.
+    choice._offer = Offer(LOOKUP, 8, list(range(7)), 2, rates=[0.3] * 7)
+    assert choice.choose() == 4 and choice.source == DFLASH
+    choice.record(4, 3, 1.0)
+    choice._offer = Offer(LOOKUP, 8, list(range(7)), 2, rates=[0.99] * 7)
+    assert choice.choose() == 8 and choice.source == LOOKUP
+    assert choice.lookup_tokens == list(range(7))
+
+
+def test_stats_count_passes_and_tokens_per_source():
+    stats = AcceptanceStats(adaptive=True)
+    stats.record(3, 6, LOOKUP)
+    stats.record(0, 4, DFLASH)
+    stats.record(0, 1)
+    assert stats.source_counts() == {"dflash": {"passes": 1, "tokens": 1}, "lookup": {"passes": 1, "tokens": 4},
+                                     "plain": {"passes": 1, "tokens": 1}}
+    assert stats.drafted_cycles == 1  # the collapse watch judges the drafter alone
+    assert "lookup 1 / 4" in stats.format_sources() and "draft sources" in stats.format_histogram()
