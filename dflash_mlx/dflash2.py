@@ -219,4 +219,5 @@ FAMILY = DrafterFamily(
     "DFlash 2", claims, DFlash2Config, DFlash2Drafter,
     keep_float=("attention_conv", "mlp_conv", "candidate_selector"),  # small and sensitive: never quantized
     rename=rename,
+    marks=("attention_conv.", "mlp_conv.", "candidate_selector."),
 )

@@ -32,6 +32,7 @@ class DrafterFamily:
     drafter_class: Type[DFlashDrafter]
     keep_float: Tuple[str, ...] = ()  # parameter-path fragments left unquantized (`--quantize` keeps them float)
     rename: Optional[Callable[[Dict[str, mx.array], Any], Dict[str, mx.array]]] = None  # (weights, config)
+    marks: Tuple[str, ...] = ()  # tensor-name fragments only this family's checkpoints hold (`marked_by`)
 
 
 def _is_dflash(raw: Dict[str, Any]) -> bool:
@@ -68,6 +69,17 @@ def family_of(config: DFlashConfig) -> DrafterFamily:
         if type(config) is family.config_class:
             return family
     raise DFlashError(f"no drafter family uses config class {type(config).__name__}")
+
+
+def marked_by(weights: Dict[str, Any], family: DrafterFamily) -> Optional[Tuple[DrafterFamily, str]]:
+    """Another family whose marks a tensor of `weights` carries (and that tensor's name), or None: a config that
+    names one family over another family's tensors is inconsistent."""
+    for other in families():
+        if other is not family:
+            for key in sorted(weights):
+                if any(mark in key for mark in other.marks):
+                    return other, key
+    return None
 
 
 def describe(drafter) -> str:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
-from .drafter_families import DrafterFamily, detect, family_of
+from .drafter_families import DrafterFamily, detect, family_of, marked_by
 from .dtypes import mx_dtype
 from .errors import DFlashError
 from .refs import is_repo_id
@@ -215,6 +215,11 @@ def read_drafter(path: Path) -> DFlashDrafter:
     config = read_config(path)
     weights = read_weights(path)
     family = family_of(config)
+    foreign = marked_by(weights, family)
+    if foreign is not None:
+        raise DFlashError(f"drafter checkpoint '{path}' holds tensor '{foreign[1]}' of a {foreign[0].name} drafter, "
+                          f"but its config.json describes a {family.name} drafter; restore config.json from the "
+                          "drafter's source")
     if family.rename is not None:
         weights = family.rename(weights, config)
     drafter = build_drafter(config)
