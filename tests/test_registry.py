@@ -20,6 +20,8 @@ EXPECTED_DRAFTERS = {
     "gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash", "gemma-4-26B-A4B-it": "z-lab/gemma-4-26B-A4B-it-DFlash",
     "gemma-4-31B-it": "z-lab/gemma-4-31B-it-DFlash", "Kimi-K2.5": "z-lab/Kimi-K2.5-DFlash",
     "MiniMax-M2.5": "z-lab/MiniMax-M2.5-DFlash",
+    # DFlash 2 drafters (z-lab / Inco AI).
+    "Qwen3.8-27B": "incoai/Qwen3.8-27B-DFlash2", "Muse-Glimmer-30B": "z-lab/Muse-Glimmer-30B-DFlash2",
     # DSpark drafters (DeepSeek DeepSpec) for the same MLX targets.
     "Qwen3-4B-DSpark": "deepseek-ai/dspark_qwen3_4b_block7", "Qwen3-8B-DSpark": "deepseek-ai/dspark_qwen3_8b_block7",
     "Qwen3-14B-DSpark": "deepseek-ai/dspark_qwen3_14b_block7",

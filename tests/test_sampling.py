@@ -21,9 +21,12 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from scipy import stats
 
 import tiny
+from test_lookup import ScriptedChoice
 from test_width import Scheduled
 from dflash_mlx.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor, make_acceptor
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.lookup import LookupIndex
+from dflash_mlx.sources import LOOKUP
 from dflash_mlx.oracle import OracleDrafter
 from dflash_mlx.sampling import SamplingParams, log_distribution
 
@@ -133,10 +136,15 @@ class World:
         return p0[:, None, None] * p1[:, :, None] * p2
 
 
-def sample_first_three(world: World, acceptor, params: SamplingParams, n: int, seed: int):
-    """One verify cycle per row, then plain target sampling completes each sequence to three tokens."""
-    draft_logits = mx.array(np.broadcast_to(world.q, (n, 2, V)).astype(np.float32))
-    draft = acceptor.propose(draft_logits)
+def sample_first_three(world: World, acceptor, params: SamplingParams, n: int, seed: int, fixed=None):
+    """One verify cycle per row, then plain target sampling completes each sequence to three tokens. `fixed`:
+    drafts [n, 2] given in advance (copied from a context), proposed as point masses."""
+    if fixed is not None:
+        draft_logits = None
+        draft = acceptor.propose_tokens(mx.array(fixed.astype(np.int32)))
+    else:
+        draft_logits = mx.array(np.broadcast_to(world.q, (n, 2, V)).astype(np.float32))
+        draft = acceptor.propose(draft_logits)
     d = np.array(draft)
     acc, fix = acceptor.verify(draft, draft_logits, mx.array(world.target_rows(d).astype(np.float32)))
     acc, fix = np.array(acc), np.array(fix)
@@ -191,6 +199,40 @@ def test_negative_control_detects_a_wrong_residual():
     params = FILTERS["plain"]
     world = World(seed=9, drafter="random")
     seq, _ = sample_first_three(world, _NaiveResidual(params, seed=1), params, n=N, seed=2)
+    assert chi2_pvalue(joint_counts(seq, V), world.exact_joint(params)) < 1e-6
+
+
+def _fixed_drafts(world: World, n: int, seed: int) -> np.ndarray:
+    """Copied drafts: half the rows the target's likeliest path (often right), half random tokens."""
+    rng = np.random.default_rng(seed)
+    likely = np.array([np.argmax(world.t0), np.argmax(world.t1[np.argmax(world.t0)])])
+    return np.where(rng.random((n, 1)) < 0.5, likely, rng.integers(0, V, size=(n, 2)))
+
+
+@pytest.mark.parametrize("filters", list(FILTERS))
+def test_point_mass_drafts_are_lossless(filters):
+    """Lookup drafts: q = one-hot, accepted with probability p(x), residual p without x."""
+    params = FILTERS[filters]
+    world = World(seed=20 + list(FILTERS).index(filters), drafter="random")
+    seq, acc = sample_first_three(world, SamplingAcceptor(params, seed=5), params, n=N, seed=6,
+                                  fixed=_fixed_drafts(world, N, 7))
+    assert chi2_pvalue(joint_counts(seq, V), world.exact_joint(params)) > ALPHA
+    assert acc.mean() > 0.3  # the likely path is often kept
+
+
+class _UniformQ(SamplingAcceptor):
+    """A wrong point-mass proposal: treating a copied draft as drawn from a uniform q."""
+
+    def propose_tokens(self, draft):
+        self._proposed = (draft, mx.full(draft.shape + (V,), -np.log(V), dtype=mx.float32))
+        return draft
+
+
+def test_negative_control_detects_a_wrong_point_mass():
+    params = FILTERS["plain"]
+    world = World(seed=21, drafter="random")
+    seq, _ = sample_first_three(world, _UniformQ(params, seed=5), params, n=N, seed=6,
+                                fixed=_fixed_drafts(world, N, 7))
     assert chi2_pvalue(joint_counts(seq, V), world.exact_joint(params)) < 1e-6
 
 
@@ -292,6 +334,24 @@ def test_sampling_with_a_width_changing_every_cycle(e2e):
     seqs, accepted = _run_many(e2e, params, 400, "near_oracle", widths=[3, 1, 2])
     assert chi2_pvalue(joint_counts(seqs, E2E_VOCAB), exact_target_joint(e2e[0], PROMPT, params)) > ALPHA
     assert accepted > 0.5
+
+
+def test_sampling_with_lookup_dflash_and_plain_passes_mixed(e2e):
+    """Copied drafts (point masses) beside the drafter's and plain passes in one generation stay exact."""
+    model, drafter, target = e2e
+    params = FILTERS["topk_topp"]
+    seqs, lookup_accepted = [], 0
+    schedule = [(LOOKUP, 3), ("dflash", 3), (LOOKUP, 2), ("plain", 1)]
+    for seed in range(400):
+        acceptor = SamplingAcceptor(params, seed=seed)
+        choice = ScriptedChoice(schedule[seed % 4:] + schedule[: seed % 4], lookup_width=3)
+        tokens, cycles = tiny.run_dflash(PROMPT + [1, 2], target, drafter, max_tokens=4, acceptor=acceptor,
+                                         lookup=LookupIndex(min_n=1), sources=choice)
+        seqs.append(tokens[:3])
+        lookup_accepted += sum(c.accepted for c in cycles if c.source == LOOKUP)
+    exact = exact_target_joint(model, PROMPT + [1, 2], params)
+    assert chi2_pvalue(joint_counts(np.array(seqs), E2E_VOCAB), exact) > ALPHA
+    assert lookup_accepted > 20
 
 
 def test_history_dependent_processors_are_lossless(e2e):
