@@ -7,6 +7,7 @@ target; each entry names a sensible default for its size.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,6 +25,18 @@ class RegistryEntry:
     drafter: str  # z-lab repo id
     thinking: bool = False
     upstream: Optional[str] = None
+    architecture: Optional[str] = None  # the target's model_type, checked against the installed mlx-lm
+
+
+def mlx_lm_supports(model_type: str) -> bool:
+    """Whether the installed mlx-lm ships a module for this model_type (after its own renames)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    try:
+        return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,11 @@ def resolve(name: str, quant: Optional[str] = None, also: Iterable[str] = ()) ->
         close = suggest(name, also=also)
         hint = f"; did you mean {', '.join(close)}?" if close else "; run 'dflash-mlx models' to list them"
         raise DFlashError(f"'{name}' is not a known model name{hint}")
+    if entry.architecture and not mlx_lm_supports(entry.architecture):
+        import mlx_lm
+
+        raise DFlashError(f"{entry.name}'s target is a '{entry.architecture}' model, which mlx-lm "
+                          f"{mlx_lm.__version__} cannot load; upgrade mlx-lm (pip install -U mlx-lm) to use it")
     quant = quant or entry.default_quant
     if quant not in entry.targets:
         raise DFlashError(f"{entry.name} has no '{quant}' conversion; choose --quant from {', '.join(entry.targets)}")

@@ -261,3 +261,28 @@ def test_missing_selector_tensor_is_named(tmp_path):
     folder = _copy(tmp_path, tensors=lambda w: w.pop("candidate_selector.successor_codebook"))
     with pytest.raises(DFlashError, match="candidate_selector.successor_codebook"):
         read_drafter(folder)
+
+
+# -- registry ------------------------------------------------------------------------------------------------------------
+def test_registry_names_dflash2_pairs_whose_targets_mlx_lm_loads():
+    from dflash_mlx import registry
+
+    for name, drafter in (("Qwen3.8-27B", "incoai/Qwen3.8-27B-DFlash2"),
+                          ("Muse-Glimmer-30B", "z-lab/Muse-Glimmer-30B-DFlash2")):
+        entry = registry.find(name)
+        assert entry.drafter == drafter and registry.mlx_lm_supports(entry.architecture)
+        assert registry.resolve(name).target == entry.targets["4bit"]
+
+
+def test_registry_says_in_one_line_when_mlx_lm_lacks_the_target_architecture(monkeypatch):
+    import dataclasses
+
+    from dflash_mlx import registry
+
+    real = registry.entries()
+    fake = dict(real, **{"Qwen3.8-27B": dataclasses.replace(real["Qwen3.8-27B"], architecture="no_such_arch")})
+    monkeypatch.setattr(registry, "entries", lambda: fake)
+    with pytest.raises(DFlashError) as e:
+        registry.resolve("Qwen3.8-27B")
+    assert "'no_such_arch'" in str(e.value) and "mlx-lm" in str(e.value) and "\n" not in str(e.value)
+    assert registry.mlx_lm_supports("mistral")  # mlx-lm's own renames count (mistral runs llama's module)
