@@ -24,6 +24,7 @@ from .engine import DecodeState
 from .errors import DFlashError
 from .generation import Generation
 from .loading import load, prepare
+from .lookup import LOOKUP_ONLY
 from .stats import AcceptanceStats
 from .width import Width
 
@@ -40,6 +41,7 @@ class DFlashResponse(GenerationResponse):
         tau (float): acceptance length so far (mean tokens committed per verify pass).
         widths (dict): verify width -> passes so far (the widths the engine used).
         stats (AcceptanceStats): the running statistics object (histograms included).
+        source (str): where that pass's drafts came from: "dflash", "lookup" (copied from the context) or "plain".
     """
 
     accepted: int = 0
@@ -47,6 +49,7 @@ class DFlashResponse(GenerationResponse):
     tau: float = 0.0
     widths: Optional[dict] = None
     stats: Optional[AcceptanceStats] = None
+    source: str = "plain"
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt: Union[str, mx.array, List[int]]) -> mx.array:
@@ -65,7 +68,7 @@ def stream_generate(
     model: nn.Module,
     tokenizer,
     prompt: Union[str, mx.array, List[int]],
-    drafter: Optional[DFlashDrafter] = None,
+    drafter: Union[DFlashDrafter, str, None] = None,
     *,
     max_tokens: int = 256,
     block_size: Optional[int] = None,
@@ -75,6 +78,7 @@ def stream_generate(
     width: Optional[Width] = None,
     warn_collapse: bool = True,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
+    lookup: Optional[bool] = None,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
@@ -83,7 +87,8 @@ def stream_generate(
         model: the target (plain mlx-lm model, as returned by `load`).
         tokenizer: its tokenizer (a `TokenizerWrapper` or a Hugging Face tokenizer).
         prompt: text (encoded as mlx-lm does, no chat template applied) or token ids.
-        drafter: the DFlash drafter; `None` decodes plainly through the same loop.
+        drafter: the DFlash drafter; `None` decodes plainly through the same loop; "lookup" drafts only by copying
+            from the context (any mlx-lm model, no drafter needed).
         max_tokens: the most tokens to generate (-1: until EOS).
         block_size: fixes the tokens verified per pass (1 means plain decoding). By default the width is chosen
             before every pass (`width.WidthPolicy`: expected committed tokens per second, from measured pass times
@@ -94,6 +99,9 @@ def stream_generate(
         acceptor: a ready acceptance rule (see `acceptance.make_acceptor`), instead of the sampling keywords.
         width: a ready width policy (see `width.Width`) instead of the default one; ignored with `block_size`.
         prefill_progress: called as `(tokens_done, total)` after each prefill chunk (e.g. a progress bar).
+        lookup: draft from the context too: each pass copies what followed the longest earlier match of the newest
+            tokens (prompt, earlier turns in `state`, committed tokens) when that is expected to be faster than the
+            drafter (see `sources.SourceChoice`). Default: on with a drafter and a chosen width; False turns it off.
         warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
         sampling: the keywords of `acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
@@ -111,10 +119,14 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
+    if isinstance(drafter, str):
+        if drafter != LOOKUP_ONLY:
+            raise DFlashError(f"drafter={drafter!r}: give a loaded drafter (see load), None, or {LOOKUP_ONLY!r}")
+        drafter, lookup = None, lookup is not False
     generation = Generation(prepare(model, drafter), drafter, ids, tokenizer=tokenizer, max_tokens=max_tokens,
                             width=block_size, width_policy=width, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
-                            prefill_progress=prefill_progress, **sampling)
+                            prefill_progress=prefill_progress, lookup=lookup, **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)
@@ -142,6 +154,7 @@ def _responses(generation: Generation) -> Generator[DFlashResponse, None, None]:
                 tau=stats.tau,
                 widths=dict(stats.widths),
                 stats=stats,
+                source=p.source,
             )
 
 

@@ -47,7 +47,8 @@ class ChatSession:
     """A conversation with one target/drafter pair; usable without the REPL (tests, notebooks)."""
 
     def __init__(self, model, tokenizer, drafter, *, system: Optional[str] = None, max_tokens: int = 1024,
-                 block_size: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None):
+                 block_size: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None,
+                 lookup: Optional[bool] = None):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.model = model
@@ -56,6 +57,7 @@ class ChatSession:
         self.system = system
         self.max_tokens = max_tokens
         self.block_size = block_size
+        self.lookup = lookup  # drafts copied from the conversation (earlier turns included); see api.stream_generate
         self.sampling: Dict = dict(sampling or {})
         self.thinking = thinking
         self.messages: List[Dict[str, str]] = []
@@ -133,7 +135,8 @@ class ChatSession:
     def _fresh_state(self) -> DecodeState:
         from .api import prepare
 
-        return DecodeState.fresh(prepare(self.model, self.drafter), self.drafter)
+        drafter = None if isinstance(self.drafter, str) else self.drafter  # "lookup": no drafter cache
+        return DecodeState.fresh(prepare(self.model, drafter), drafter)
 
     def send(self, text: str, should_stop: Callable[[], bool] = lambda: False, *,
              prefill_progress: Optional[Callable[[int, int], None]] = None,
@@ -173,7 +176,7 @@ class ChatSession:
             self.seen.extend(new)
             stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
                                      block_size=self.block_size, state=self.state, prefill_progress=progress,
-                                     **self.sampling)
+                                     lookup=self.lookup, **self.sampling)
             try:
                 for response in stream:
                     self.seen.append(response.token)

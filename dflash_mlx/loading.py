@@ -207,8 +207,11 @@ def load(
     elif quant is not None:
         raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models'); "
                           f"'{path_or_hf_repo}' is a path or repo id")
+    if drafter == "lookup":  # lookup drafting alone (lookup.LOOKUP_ONLY): no drafter to load or pair
+        return (*load_target(target_ref, tokenizer_config, revision), drafter)
     if drafter is None:
-        raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target)")
+        raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target), or "
+                          "drafter='lookup' to draft by copying from the context")
     draft_model = load_drafter(drafter_location(drafter, draft_revision), revision=draft_revision, fastest=True)
     draft_model.made_for = made_for  # what a collapse warning may say of the pair (stats.CollapseWatch)
     model, tokenizer = load_target(target_ref, tokenizer_config, revision)

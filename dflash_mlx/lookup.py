@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
+LOOKUP_ONLY = "lookup"  # the drafter name (`--draft lookup`, `drafter="lookup"`) for lookup drafting alone
+
 
 @dataclass
 class LookupDraft:
