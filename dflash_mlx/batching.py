@@ -34,6 +34,8 @@ from .acceptance import Acceptor, GreedyAcceptor
 from .engine import CLEAR_CACHE_EVERY, Cycle, DecodeState, prefill
 from .errors import DFlashError
 from .generation import Generation
+from .lookup import LookupIndex
+from .sources import DFLASH, LOOKUP, PLAIN, SourceChoice
 from .targets.ragged import ragged_forward
 from .width import FixedWidth, Width, WidthPolicy, coordinate
 
@@ -59,15 +61,17 @@ class _Member:
     """One generation's per-request state between passes."""
 
     def __init__(self, state: DecodeState, acceptor: Acceptor, width: Width, limit: float, stops: set,
-                 mask_token_id: Optional[int], emitted: int):
+                 mask_token_id: Optional[int], emitted: int, lookup: Optional[LookupIndex],
+                 sources: Optional[SourceChoice]):
         self.state, self.acceptor, self.width = state, acceptor, width
+        self.lookup, self.sources = lookup, sources
         self.limit, self.stops, self.mask_token_id = limit, stops, mask_token_id
         self.emitted = emitted
         self.wants = True  # wants another cycle
         self.ready: Optional[Cycle] = None  # a cycle computed by a pass, not yet yielded
         self.error: Optional[BaseException] = None
         # This pass's launch: width, draft, draft logits, features flushed into the draft cache, packed result.
-        self.w, self.draft, self.draft_logits, self.flushed = 1, None, None, None
+        self.w, self.source, self.draft, self.draft_logits, self.flushed = 1, PLAIN, None, None, None
         self.packed = self.logits = self.hidden = None
 
 
@@ -92,10 +96,16 @@ class Batch:
                       mask_token_id: Optional[int] = None, stop_tokens: Sequence[int] = (),
                       prefill_step_size: int = 2048, state: Optional[DecodeState] = None,
                       acceptor: Optional[Acceptor] = None, width: Optional[Width] = None,
-                      prefill_progress: Optional[Callable[[int, int], None]] = None) -> Generator[Cycle, None, None]:
+                      prefill_progress: Optional[Callable[[int, int], None]] = None,
+                      lookup: Optional[LookupIndex] = None, sources: Optional[SourceChoice] = None
+                      ) -> Generator[Cycle, None, None]:
         """`engine.dflash_generate_step` for a member of this batch (same arguments and cycles)."""
         target, drafter = self.target, self.drafter
-        if drafter is None:
+        if sources is not None and lookup is None:
+            raise DFlashError("a draft-source choice needs a lookup index")
+        if sources is not None and block_size is None:
+            width = width or sources
+        elif drafter is None:
             block_size = 1
         if block_size is not None or width is None:
             block_size = block_size or drafter.block_size
@@ -104,7 +114,8 @@ class Batch:
             width = FixedWidth(block_size)
         if mask_token_id is None and drafter is not None:
             mask_token_id = drafter.mask_token_id
-        if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1):
+        if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1) \
+                and sources is None:
             raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
         state = state or DecodeState.fresh(target, drafter)
         target.check_rollback_supported(state.target_cache)
@@ -114,14 +125,20 @@ class Batch:
 
         # The prefill runs alone (between two passes of the others).
         acceptor.observe(prompt)
+        if lookup is not None:
+            lookup.extend(prompt.tolist())
+        if sources is None:
+            lookup = None  # fixed widths draft from the drafter alone
         last_logits = prefill(target, drafter, prompt, state, prefill_step_size, prefill_progress)
         first = int(acceptor.first(last_logits).item())
         state.last_token = first
         acceptor.observe([first])
+        if lookup is not None:
+            lookup.extend([first])
         yield Cycle([first], 0, 1, logits=last_logits[None], is_prefill=True)
         if first in stops or 1 >= limit:
             return
-        member = _Member(state, acceptor, width, limit, stops, mask_token_id, emitted=1)
+        member = _Member(state, acceptor, width, limit, stops, mask_token_id, 1, lookup, sources)
         self.members.append(member)
         try:
             while True:
@@ -169,9 +186,17 @@ class Batch:
             mx.clear_cache()
 
     def _draft(self, m: _Member) -> None:
-        """Choose the member's width and draft its block, as the engine's `launch` does."""
+        """Choose the member's width and draft source and draft its block, as the engine's `launch` does."""
+        if m.sources is not None:
+            m.sources.offer(m.lookup.propose(int(min(m.sources.lookup_width, m.limit - m.emitted)) - 1))
         m.w = w = int(min(m.width.choose(), m.limit - m.emitted))
+        m.source = (m.sources.source if m.sources is not None else DFLASH) if w > 1 else PLAIN
         m.flushed, m.draft, m.draft_logits = None, mx.zeros((0,), dtype=mx.int32), None
+        if m.source == LOOKUP:
+            copied = m.sources.lookup_tokens[: w - 1]
+            m.w = len(copied) + 1
+            m.draft = m.acceptor.propose_tokens(mx.array(copied, dtype=mx.int32))
+            return
         if w <= 1:
             return
         drafter, state, acceptor = self.drafter, m.state, m.acceptor
@@ -196,10 +221,12 @@ class Batch:
         m.width.record(w, acc, seconds)
         keep = len(tokens)
         self.target.rollback(m.state.target_cache, w - keep)
-        m.state.commit(m.hidden[:, :keep], tokens[-1])
+        m.state.commit(m.hidden[:, :keep] if self.drafter is not None else None, tokens[-1])
         m.acceptor.observe(tokens)
+        if m.lookup is not None:
+            m.lookup.extend(tokens)
         m.emitted += keep
-        m.ready = Cycle(tokens, acc, w, logits=m.logits[:keep])
+        m.ready = Cycle(tokens, acc, w, logits=m.logits[:keep], source=m.source)
         m.wants = tokens[-1] not in m.stops and m.emitted < m.limit
         m.packed = m.hidden = m.logits = m.draft_logits = m.flushed = None
 
@@ -218,11 +245,12 @@ class BatchedGeneration(Generation):
                          prefill_progress=prefill_progress, **kwargs)
         self._cycles.close()  # the engine's own loop never started: nothing ran yet
         reproducible = kwargs.get("seed") is not None and not isinstance(self.acceptor, GreedyAcceptor)
-        if self.adaptive and width_policy is None and not reproducible:
+        if self.adaptive and width_policy is None and not reproducible and self.sources is None:
             widest = kwargs.get("max_width") or batch.drafter.block_size
             self.width_policy = batch.shared_width(widest)
         drafter = batch.drafter
         self._cycles = batch.generate_step(
             self.prompt, max_tokens=self.max_tokens, block_size=width if drafter is not None else None,
             mask_token_id=mask_token_id, stop_tokens=self.stops, prefill_step_size=prefill_step_size, state=state,
-            acceptor=self.acceptor, width=self.width_policy, prefill_progress=prefill_progress)
+            acceptor=self.acceptor, width=self.width_policy, prefill_progress=prefill_progress, lookup=self.lookup,
+            sources=self.sources)

@@ -145,9 +145,11 @@ def test_hybrid_batch_equals_alone():
 
     assert alone[0] == greedy(model, prompts[0], 14)  # alone is mlx-lm's greedy
     oracle = KeyedOracle([p + a for p, a in zip(prompts, alone)])
-    for d, width in ((oracle, None), (oracle, 4), (drafter, 3)):
+    # Lookup drafts on (the default), off (the batch's shared width policy), fixed widths, a real drafter.
+    for d, width, lookup in ((oracle, None, None), (oracle, None, False), (oracle, 4, None), (drafter, 3, None)):
         batch = Batch(t, d)
-        gens = {i: BatchedGeneration(batch, p, max_tokens=14, width=width) for i, p in enumerate(prompts)}
+        gens = {i: BatchedGeneration(batch, p, max_tokens=14, width=width, lookup=lookup)
+                for i, p in enumerate(prompts)}
         out = drive(gens, join_after={1: 2})
         assert [out[i] for i in range(3)] == alone
         assert max(batch.sizes) >= 2

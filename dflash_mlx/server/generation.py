@@ -4,6 +4,8 @@
 to snapshot caches that cannot be cut back), then drives a `generation.Generation` and yields one `Delta` per
 verify pass and a final `Outcome`. Between two passes it polls `should_stop`; closing the engine's generator rolls
 a queued pass out of the caches, so they hold exactly the committed tokens and are stored for the next request.
+With `max_batch` > 1, `run(..., batched=True)` generations share their verify passes (`batching.Batch`): the worker
+advances several runs in turn, one pass each, and each reply is what it would be alone.
 Everything here runs on the server's single worker thread (MLX is driven from one thread).
 """
 
@@ -16,6 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import mlx.core as mx
 
+from ..batching import Batch, BatchedGeneration
 from ..engine import DecodeState, prefill
 from ..generation import Generation
 from ..loading import prepare
@@ -91,13 +94,16 @@ class Generator:
     """One loaded target/drafter pair, its tokenizer and the prefix cache."""
 
     def __init__(self, model, tokenizer, drafter, *, block_size: Optional[int] = None,
-                 prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048):
+                 prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1):
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.block_size = block_size
         self.prefill_step_size = prefill_step_size
         self.target = prepare(model, drafter)
+        # Up to `max_batch` runs share each verify pass (the worker interleaves them); 1: one run at a time.
+        self.max_batch = max(1, int(max_batch))
+        self.batch = Batch(self.target, drafter) if self.max_batch > 1 else None
         # MLX streams belong to threads: weights still lazy here would be evaluated on the worker thread against
         # this thread's stream, which fails. Materialize them now.
         mx.eval(model.parameters(), drafter.parameters() if drafter is not None else [])
@@ -129,8 +135,10 @@ class Generator:
         stops at a message boundary)."""
         prefill(self.target, self.drafter, mx.array(tokens, dtype=mx.int32), state, self.prefill_step_size)
 
-    def run(self, req: GenerationRequest, should_stop: Callable[[], bool] = lambda: False
+    def run(self, req: GenerationRequest, should_stop: Callable[[], bool] = lambda: False, batched: bool = False
             ) -> Iterator[Union[Delta, Outcome]]:
+        """The request's Deltas, one per verify pass, then its Outcome. `batched`: its passes are shared with the
+        other batched runs in progress (the caller advances them in turn)."""
         tic = time.perf_counter()
         prompt = list(req.prompt)
         n = len(prompt)
@@ -146,10 +154,13 @@ class Generator:
                     position = b
                     self._store(prompt[:b], state)
 
-        generation = Generation(self.target, self.drafter, prompt[position:], tokenizer=self.tokenizer,
-                                max_tokens=req.max_tokens, width=self.block_size, state=state,
-                                history=prompt[:position], tokenizer_lock=self.tokenizer_lock,
-                                prefill_step_size=self.prefill_step_size, **req.sampling)
+        options = dict(tokenizer=self.tokenizer, max_tokens=req.max_tokens, width=self.block_size, state=state,
+                       history=prompt[:position], tokenizer_lock=self.tokenizer_lock,
+                       prefill_step_size=self.prefill_step_size, **req.sampling)
+        if batched and self.batch is not None:
+            generation = BatchedGeneration(self.batch, prompt[position:], **options)
+        else:
+            generation = Generation(self.target, self.drafter, prompt[position:], **options)
         widths: Dict[int, int] = {}
         last_width = 0
         committed: List[int] = []

@@ -1,4 +1,8 @@
-"""The request queue: one generation at a time on one worker thread, results handed back to the event loop.
+"""The request queue and the worker thread that runs the generations, results handed back to the event loop.
+
+Up to the generator's `max_batch` jobs run at once, interleaved on the one worker thread: each round hands every
+running job its next verify pass's event, and those passes are one batched target pass (`batching.Batch`). Jobs
+join (prefill) and leave between rounds. With `max_batch` 1, or a wrapped generator, one job runs at a time.
 
 Handlers `submit` a `Job` and read its events (`Delta`s, then an `Outcome` or an exception) with `job.next()`.
 A job whose client went away is `cancel`led: a queued one is skipped, a running one stops between two verify
@@ -14,7 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Optional
+from typing import Iterator, List, Optional, Tuple
 
 from .errors import APIError
 from .generation import GenerationRequest, Generator, Outcome
@@ -84,6 +88,13 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def max_running(self) -> int:
+        """Jobs run side by side, sharing verify passes: a plain `Generator`'s `max_batch`. A wrapped generator
+        (distributed serving's lockstep) runs one job at a time: its ranks must meet in the same order."""
+        gen = self.generator
+        return gen.max_batch if isinstance(gen, Generator) and gen.batch is not None else 1
+
     def submit(self, job: Job) -> None:
         with self._lock:
             if self.waiting >= self.max_queue:
@@ -92,7 +103,7 @@ class Worker:
         self._queue.put(job)
 
     def shutdown(self) -> None:
-        """Stop the running generation between two verify passes and refuse the waiting ones; returns at once."""
+        """Stop the running generations between two verify passes and refuse the waiting ones; returns at once."""
         self._stopping = True
 
     def stop(self) -> None:
@@ -101,29 +112,59 @@ class Worker:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
+    def _start(self, job: Job, batched: bool) -> Optional[Iterator]:
+        """The job's event iterator, or None when it is answered at once (client gone, shutting down)."""
+        with self._lock:
+            self.waiting -= 1
+        if job.cancelled:
+            job.push(ClientGone())
+            return None
+        if self._stopping:
+            job.push(APIError(503, "the server is shutting down; retry when it is back", type="server_error"))
+            return None
+        should_stop = lambda: job.cancelled or self._stopping  # noqa: E731
+        with self._lock:
+            self.running += 1
+        if batched:
+            return self.generator.run(job.request, should_stop=should_stop, batched=True)
+        return self.generator.run(job.request, should_stop=should_stop)
+
+    def _step(self, job: Job, events: Iterator) -> bool:
+        """Hand the job its next event (one verify pass, shared with the other running jobs); False once done."""
+        try:
+            event = next(events)
+        except StopIteration:
+            return False
+        except Exception as e:  # a failed request must not take the worker down
+            logger.exception("generation failed")
+            job.push(e)
+            return False
+        if self.metrics is not None and isinstance(event, Outcome):
+            self.metrics.record_outcome(event, self.generator.cache)
+        job.push(event)
+        return not isinstance(event, Outcome)
+
     def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                self.waiting -= 1
-                self.running = 1
-            try:
-                if job.cancelled:
-                    job.push(ClientGone())
-                    continue
-                if self._stopping:
-                    job.push(APIError(503, "the server is shutting down; retry when it is back",
-                                      type="server_error"))
-                    continue
-                for event in self.generator.run(job.request, should_stop=lambda: job.cancelled or self._stopping):
-                    if self.metrics is not None and isinstance(event, Outcome):
-                        self.metrics.record_outcome(event, self.generator.cache)
-                    job.push(event)
-            except Exception as e:  # a failed request must not take the worker down
-                logger.exception("generation failed")
-                job.push(e)
-            finally:
-                with self._lock:
-                    self.running = 0
+        active: List[Tuple[Job, Iterator]] = []
+        closing = False
+        while not (closing and not active):
+            # Join between passes: new jobs start (and prefill) while there is room; block only when idle.
+            limit = self.max_running
+            while not closing and len(active) < limit:
+                try:
+                    job = self._queue.get(block=not active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                    break
+                events = self._start(job, batched=limit > 1)
+                if events is not None:
+                    active.append((job, events))
+            # One round: every running job gets its next event; the first to need a pass runs it for all.
+            for job, events in list(active):
+                if not self._step(job, events):
+                    events.close()
+                    active.remove((job, events))
+                    with self._lock:
+                        self.running -= 1
