@@ -180,7 +180,7 @@ def parse_bytes(text: str) -> int:
 def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str], max_queue: int,
                       prompt_cache_bytes: str, block_size: Optional[int], max_tokens: int, temp: float,
                       chat_template_args: Optional[str],
-                      served_model_name: Union[None, str, List[str]]) -> ServerSettings:
+                      served_model_name: Union[None, str, List[str]], max_batch: int = 8) -> ServerSettings:
     """The `dflash-mlx serve` options as settings, every one checked before any model is loaded.
     `served_model_name` may be several names (the flag repeated): the first is the one the server reports."""
     template_args = None
@@ -200,7 +200,7 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
     return ServerSettings(model_name=names[0], served_names=names[1:], drafter_name=draft, api_key=api_key,
                           max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
                           block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
-                          chat_template_kwargs=template_args)
+                          chat_template_kwargs=template_args, max_batch=max_batch)
 
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,

@@ -47,6 +47,7 @@ class ServerSettings:
     drafter_name: Optional[str] = None
     api_key: Optional[str] = None
     max_queue: int = 64
+    max_batch: int = 8  # requests whose verify passes are batched together (1: one at a time)
     prompt_cache_bytes: int = 2 << 30
     block_size: Optional[int] = None
     default_max_tokens: int = 512
@@ -87,7 +88,7 @@ class Server:
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
         self.settings = settings
         self.generator = Generator(model, self.tokenizer, drafter, block_size=settings.block_size,
-                                   prompt_cache_bytes=settings.prompt_cache_bytes)
+                                   prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch)
         self.metrics = Metrics()
         self.worker = Worker(self.generator, settings.max_queue, self.metrics)
         self.context_length = settings.context_length or context_length_of(model)
