@@ -78,6 +78,7 @@ def _dflash_stats(stats: AcceptanceStats, widths: Dict[int, int], drafted: int, 
         "cycles": stats.cycles,
         "verify_widths": {str(k): v for k, v in sorted(widths.items())},
         "acceptance_histogram": {str(k): v for k, v in sorted(stats.histogram.items())},
+        "sources": stats.source_counts(),  # draft source ("dflash", "lookup", "plain") -> passes, tokens
         "drafted": drafted,
         "accepted": accepted,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
