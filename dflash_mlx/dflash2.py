@@ -20,7 +20,6 @@ Format, conversion and quantization: docs/dflash2.md.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 

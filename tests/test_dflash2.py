@@ -25,7 +25,6 @@ from dflash_mlx.drafter import TargetBinding
 from dflash_mlx.drafter_families import describe
 from dflash_mlx.drafter_io import load_drafter, quantize_drafter, read_drafter
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.targets import TargetModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash2"
