@@ -235,3 +235,20 @@ def test_function_tool_round_trip(scripted, stream):
     rendered = json.loads(prompt[prompt.index("<tool_call>") + 11: prompt.index("</tool_call>")])
     assert rendered == CALL
     assert prompt.index("Weather in Paris?") < prompt.index("<tool_call>") < prompt.index("21 C, sunny")
+
+
+def test_served_model_name_repeats_on_the_command_line(monkeypatch, capsys):
+    import dflash_mlx.server as server_pkg
+    from dflash_mlx.cli import main
+    from dflash_mlx.server import settings_from_cli
+
+    seen = {}
+
+    def fake_serve(*, model, draft, quant, host, port, **options):
+        seen["settings"] = settings_from_cli(model=model, draft=draft, **options)
+
+    monkeypatch.setattr(server_pkg, "serve_from_cli", fake_serve)
+    assert main(["serve", "--served-model-name", "coder", "--served-model-name", "gpt-4o-mini"]) in (0, None)
+    assert seen["settings"].names == ["coder", "gpt-4o-mini"] and seen["settings"].model_name == "coder"
+    assert main(["serve", "--served-model-name", " "]) == 2  # checked before anything loads
+    assert "--served-model-name is empty" in capsys.readouterr().err
