@@ -20,10 +20,32 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .drafter import DFlashDrafter, DraftLayer
+from .drafter import DFlashDrafter, DraftAttention
 from .drafter_families import DrafterFamily
 from .dspark_config import DSparkConfig, is_dspark
 from .errors import DFlashError
+from .metal.block_attention import block_attention
+
+
+class SinkDraftAttention(DraftAttention):
+    """The draft attention of a head with an attention sink (NVIDIA's Nemotron DSpark head): a learned logit per
+    query head joins every row's softmax denominator (a key with no value), as SDPA's `sinks` takes it."""
+
+    def __init__(self, config: DSparkConfig, sliding: bool):
+        super().__init__(config, sliding)
+        self.attention_sink_bias = mx.zeros((config.num_attention_heads,))
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        _, B, _ = x.shape
+        start = cache.offset
+        q = self.q_norm(self.q_proj(x).reshape(1, B, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(1, B, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(1, B, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.rope(q, offset=start), self.rope(k, offset=start)
+        ctx_k, ctx_v = cache.keys_and_values()
+        out = block_attention(q, k, v, ctx_k, ctx_v, scale=self.scale, window=self.sliding_window,
+                              causal=self.block_causal, sinks=self.attention_sink_bias.astype(q.dtype))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
 
 class MarkovHead(nn.Module):
@@ -86,6 +108,9 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         H = config.hidden_size
+        if config.attention_sink:
+            for layer, kind in zip(self.layers, config.layer_types):
+                layer.self_attn = SinkDraftAttention(config, kind == "sliding_attention")
         if config.rope_traditional:
             for layer in self.layers:
                 layer.self_attn.rope = initialize_rope(config.head_dim, config.rope_theta, True,
@@ -104,21 +129,27 @@ class DSparkDrafter(DFlashDrafter):
     def max_drafts(self) -> int:
         return self.config.max_drafts
 
+    @property
+    def causal_block(self) -> bool:
+        return all(layer.self_attn.block_causal for layer in self.layers)
+
     def make_cache(self) -> List[KVCache]:
         return [KVCache() for _ in self.layers]
 
     # -- the parallel part: one backbone pass over the full trained block ------------------------------------
     def slot_hidden(self, block_ids: mx.array, cache: List[KVCache]) -> mx.array:
         """Final-normed hidden states [n, H] of the n = width-1 predicting slots, for `block_ids` [1, width] =
-        [anchor, MASK x (width-1)]. The block run is always the trained one ([anchor, MASK x (dspark_block-1)]),
-        at the positions right after the cached context; the cache is unchanged."""
+        [anchor, MASK x (width-1)]. The block run is the trained one ([anchor, MASK x (dspark_block-1)]), at the
+        positions right after the cached context; the cache is unchanged. A causal block (Nemotron) stops after
+        the last slot read: the slots after it cannot change the ones before."""
         cfg = self.config
         n = block_ids.shape[1] - 1
         if not 1 <= n <= cfg.max_drafts:
             raise DFlashError(f"DSpark drafter proposes 1..{cfg.max_drafts} tokens per block; verify width "
                               f"{n + 1} asks for {n} (use a width of at most {cfg.block_size})")
+        run = cfg.logits_start + n if self.causal_block else cfg.dspark_block
         ids = mx.concatenate([block_ids[:, :1].astype(mx.int32),
-                              mx.full((1, cfg.dspark_block - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
+                              mx.full((1, run - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
         if "embed_tokens" in self:
             x = self.embed_tokens(ids)
         else:

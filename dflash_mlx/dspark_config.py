@@ -12,6 +12,11 @@ optional confidence head. They ship in several packagings that describe the same
   reduced draft vocabulary (`draft_vocab_size` plus a `d2t` tensor).
 - LiquidAI LFM2.5 (`architectures: [...DSpark...]`, ids nested in an untagged `dflash_config`; an explicit
   `rope_is_neox_style: false` means interleaved rope).
+- NVIDIA Nemotron (DFlash lineage, DeepSpec top-level fields plus `dflash_query_causal` / `dflash_config.causal`:
+  a causal block; `sliding_window` / `dflash_config.use_swa` + `swa_window_size`: a window over the context;
+  `attention_sink_bias`: a learned per-head sink logit; `has_lm_head: false`: the target's LM head;
+  `sample_from_anchor: false`: slot 0 is a pure anchor). These map onto the DFlash fields `is_causal`,
+  `sliding_window` / `layer_types` and our `attention_sink`.
 
 Which slot predicts first (`logits_start`) differs: DeepSpec, SpecForge and LFM2 heads predict from the anchor
 slot too (0: a 7-wide block gives 7 drafts); speculators heads derive it from `speculative_tokens` (or
@@ -24,8 +29,7 @@ Normalized block size: `block_size` is the engine's widest verify pass = drafts 
 block would change every slot) and hands the engine the first `width - 1` drafts.
 
 Not supported yet, each refused with one line naming the key: Gemma-4 backbones, qwen3_5 backbones (gated q,
-offset norms, partial rope), GIDD log-SNR conditioning, non-vanilla Markov heads, and the DFlash-lineage heads
-(NVIDIA Nemotron: causal block, sliding window, attention sink).
+offset norms, partial rope), GIDD log-SNR conditioning, non-vanilla Markov heads.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class DSparkConfig(DFlashConfig):
     rope_traditional: bool = False  # interleaved (GPT-J) rope instead of split-half
     has_own_embed: bool = True  # False: the drafter embeds the block with the target's embedding
     has_own_lm_head: bool = True  # False: the drafter projects with the target's LM head
+    attention_sink: bool = False  # a learned per-head logit in every attention softmax's denominator (Nemotron)
     packaging: str = "deepspec"  # where the checkpoint came from, for --verbose and errors
 
     def __post_init__(self):
@@ -78,6 +83,10 @@ class DSparkConfig(DFlashConfig):
             raise DFlashError(f"DSpark drafter config has block_size {self.block_size} but dspark_block "
                               f"{self.dspark_block} and logits_start {self.logits_start} give {want}; "
                               "config.json is inconsistent: convert the drafter again")
+        if self.sliding_window and self.sliding_window < self.dspark_block:
+            # Our block attention windows only the context; a window narrower than the block would cut block keys.
+            raise DFlashError(f"DSpark drafter config has sliding_window {self.sliding_window} narrower than its "
+                              f"block ({self.dspark_block}); such a head is not supported, use plain decoding")
         if self.enable_confidence_head and self.confidence_head_with_markov and not self.markov_rank:
             raise DFlashError("DSpark drafter config has confidence_head_with_markov but markov_rank 0; "
                               "config.json is inconsistent: restore it from the drafter's source")
@@ -143,6 +152,8 @@ def _flatten_speculators(c: Dict[str, Any]) -> Dict[str, Any]:
     lt = tlc.get("layer_types") or []
     if "sliding_attention" in lt and tlc.get("use_sliding_window") and tlc.get("sliding_window"):
         out["sliding_window"] = tlc["sliding_window"]
+        # A sliding backbone is causal in the block unless it says otherwise (the DFlash convention).
+        out["dflash_query_causal"] = not bool(c.get("sliding_window_non_causal", False))
     props = (c.get("speculators_config") or {}).get("proposal_methods") or []
     spec_tokens = props[0].get("speculative_tokens") if props else None
     block = out.get("block_size")
@@ -188,15 +199,8 @@ def normalize(raw: Dict[str, Any]) -> Dict[str, Any]:
         raise _refuse("model_type", mt, "a qwen3_5 DSpark backbone (gated q, offset norms)")
     if mt and "qwen3" not in mt:
         raise DFlashError(f"DSpark drafter config has model_type {mt!r}; only Qwen3 backbones are supported")
-    for key, what in (("log_snr_conditioning", "GIDD log-SNR conditioning"),
-                      ("attention_sink_bias", "an attention sink (Nemotron-style DSpark)"),
-                      ("dflash_query_causal", "a causal draft block (Nemotron-style DSpark)"),
-                      ("sliding_window", "a sliding-window draft block (Nemotron-style DSpark)")):
-        if c.get(key):
-            raise _refuse(key, c[key], what)
-    if nested.get("causal") or nested.get("use_swa"):
-        key = "causal" if nested.get("causal") else "use_swa"
-        raise _refuse(f"dflash_config.{key}", nested[key], "a causal/sliding draft block (Nemotron-style DSpark)")
+    if c.get("log_snr_conditioning"):
+        raise _refuse("log_snr_conditioning", c["log_snr_conditioning"], "GIDD log-SNR conditioning")
     if c.get("markov_head_type", "vanilla") != "vanilla":
         raise _refuse("markov_head_type", c["markov_head_type"], "this Markov head type")
 
@@ -212,6 +216,16 @@ def normalize(raw: Dict[str, Any]) -> Dict[str, Any]:
         start = 0 if c["sample_from_anchor"] else 1
     else:
         start = 0
+    # DFlash-lineage block attention (Nemotron). A Qwen3 config copied from the target often carries a
+    # `sliding_window` it never uses, so (as mlx-dspark does) a window counts only beside another DFlash marker.
+    causal = bool(c.get("dflash_query_causal") or nested.get("causal"))
+    sink = bool(c.get("attention_sink_bias"))
+    if packaging == "deepspec" and (causal or sink):
+        packaging = "nemotron"
+    window = None
+    if causal or sink or nested or packaging == "speculators":
+        w = c.get("sliding_window") or (nested.get("swa_window_size") if nested.get("use_swa") else None)
+        window = int(w) if w else None
     rp = c.get("rope_parameters") or {}
     rope_scaling: Optional[Dict[str, Any]] = None
     yarn = rp if rp.get("rope_type") == "yarn" else (c.get("rope_scaling") or {})
@@ -241,5 +255,7 @@ def normalize(raw: Dict[str, Any]) -> Dict[str, Any]:
         confidence_head_with_markov=bool(c.get("confidence_head_with_markov", True)),
         rope_traditional=("rope_is_neox_style" in c and not c["rope_is_neox_style"]),
         has_own_lm_head=bool(c.get("has_lm_head", True)), packaging=packaging,
+        is_causal=causal, sliding_window=window, attention_sink=sink,
+        layer_types=["sliding_attention" if window else "full_attention"] * c["num_hidden_layers"],
     )
     return values

@@ -40,12 +40,13 @@ def sliding_window(window: Optional[int]) -> Optional[int]:
 
 def block_attention_reference(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.array, ctx_v: mx.array, *,
                               scale: float, window: Optional[int] = None, causal: bool = False,
-                              n_ctx: Optional[int] = None) -> mx.array:
+                              n_ctx: Optional[int] = None, sinks: Optional[mx.array] = None) -> mx.array:
     """Attention of the block rows; returns [1, Hq, B, D] like `mx.fast.scaled_dot_product_attention`.
 
     q [1, Hq, B, D] and k, v [1, Hkv, B, D] (the block, rotary already applied); ctx_k, ctx_v [1, Hkv, L, D] hold
     the context at positions 0..n_ctx-1 (n_ctx defaults to L); the block sits at positions n_ctx..n_ctx+B-1.
-    `window` None, 0 or negative: no window (`sliding_window`).
+    `window` None, 0 or negative: no window (`sliding_window`). `sinks` [Hq]: a learned per-head logit added to
+    each row's softmax denominator (an attention sink with no value; DSpark's Nemotron heads), as SDPA takes it.
     """
     B = q.shape[2]
     window = sliding_window(window)
@@ -65,7 +66,7 @@ def block_attention_reference(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.a
             sees_ctx = sees_ctx & (first + col > n_ctx + slot - window)
         sees_blk = (col >= n_seen) & ((col - n_seen <= slot) if causal else True)
         mask = sees_ctx | sees_blk
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,8 +141,11 @@ def kernel_supports(q: mx.array, k: mx.array, ctx_k: mx.array) -> bool:
 
 
 def block_attention(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.array, ctx_v: mx.array, *,
-                    scale: float, window: Optional[int] = None, causal: bool = False) -> mx.array:
-    """The dispatcher: the kernel where Metal kernels are on and the shape is supported, else the reference."""
-    if kernels_on() and kernel_supports(q, k, ctx_k):
+                    scale: float, window: Optional[int] = None, causal: bool = False,
+                    sinks: Optional[mx.array] = None) -> mx.array:
+    """The dispatcher: the kernel where Metal kernels are on and the shape is supported, else the reference
+    (always with attention `sinks`, which the kernel does not take)."""
+    if sinks is None and kernels_on() and kernel_supports(q, k, ctx_k):
         return block_attention_metal(q, k, v, ctx_k, ctx_v, scale=scale, window=window, causal=causal)
-    return block_attention_reference(q, k, v, ctx_k, ctx_v, scale=scale, window=window, causal=causal)
+    return block_attention_reference(q, k, v, ctx_k, ctx_v, scale=scale, window=window, causal=causal,
+                                     sinks=sinks)

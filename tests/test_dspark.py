@@ -8,6 +8,8 @@ and the accepted drafts per verify pass of the reference's greedy loop on a tiny
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 from pathlib import Path
 
@@ -19,11 +21,13 @@ import pytest
 import tiny
 from dflash_mlx.acceptance import SamplingAcceptor
 from dflash_mlx.convert.drafter import convert_drafter
+from dflash_mlx.drafter import TargetBinding
 from dflash_mlx.drafter_families import describe
 from dflash_mlx.drafter_io import load_drafter, read_config
 from dflash_mlx.dspark import DSparkDrafter
 from dflash_mlx.dspark_config import DSparkConfig
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.loading import prepare
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.targets import TargetModel
 
@@ -40,6 +44,14 @@ def checkpoints(tmp_path_factory):
     return {name: make_dspark.write_checkpoint(root / name, name) for name in make_dspark.PACKAGINGS}
 
 
+def _bind_if_borrowing(drafter):
+    """A head without its own LM head (Nemotron) projects with the tiny qwen3 target's, as the reference does."""
+    if not drafter.config.has_own_lm_head:
+        t = TargetModel(tiny.target("qwen3"), drafter.config.target_layer_ids)
+        drafter.bind(TargetBinding(t.embed, functools.partial(t.head, softcap=False), source=t))
+    return drafter
+
+
 def _block(drafter, anchor):
     return mx.array([[anchor] + [drafter.mask_token_id] * (drafter.block_size - 1)], dtype=mx.int32)
 
@@ -47,7 +59,7 @@ def _block(drafter, anchor):
 @pytest.mark.parametrize("name", list(make_dspark.PACKAGINGS))
 def test_two_cached_draft_steps_match_the_reference(name, checkpoints):
     ref = np.load(FIXTURES / f"{name}.npz")
-    drafter = load_drafter(checkpoints[name])
+    drafter = _bind_if_borrowing(load_drafter(checkpoints[name]))
     assert isinstance(drafter, DSparkDrafter) and describe(drafter).startswith("DSpark drafter")
     cfg = drafter.config
     assert cfg.logits_start == int(ref["logits_start"])
@@ -71,7 +83,7 @@ def test_two_cached_draft_steps_match_the_reference(name, checkpoints):
 def test_acceptance_per_pass_matches_the_reference(name, checkpoints):
     ref = np.load(FIXTURES / f"{name}.npz")
     drafter = load_drafter(checkpoints[name])
-    t = TargetModel(tiny.target("qwen3"), drafter.config.target_layer_ids)
+    t = prepare(tiny.target("qwen3"), drafter)  # binds the target's head where the drafter has none
     prompt = tiny.prompt_ids(12)
     tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=len(ref["tokens"]))
     assert tokens == tiny.reference("qwen3", prompt, len(tokens)) == ref["tokens"].tolist()
@@ -99,6 +111,49 @@ def test_greedy_output_is_plain_greedy(kind, block, logits_start, width):
     tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, block_size=width)
     assert tokens == tiny.reference(kind, prompt, 24)
     assert max(c.width for c in cycles) == width
+
+
+NEMOTRON = dict(is_causal=True, sliding_window=8, layer_types=["sliding_attention"] * 2, attention_sink=True,
+                has_own_lm_head=False, enable_confidence_head=False)
+
+
+@pytest.mark.parametrize("kind", tiny.CORE_KINDS + ("qwen3_tied",))
+@pytest.mark.parametrize("width", [8, 3])
+def test_nemotron_style_greedy_output_is_plain_greedy(kind, width):
+    """Causal block, a window shorter than the prompt, sinks, the target's head, a pure anchor slot."""
+    model = tiny.target(kind)
+    drafter, _ = _random_dspark(model, 8, 1, **NEMOTRON)
+    assert "lm_head" not in drafter and drafter.causal_block
+    t = prepare(model, drafter)
+    prompt = tiny.prompt_ids(10, seed=2)
+    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, block_size=width)
+    assert tokens == tiny.reference(kind, prompt, 24)
+    assert max(c.width for c in cycles) == width
+
+
+def test_causal_block_runs_only_the_slots_it_reads(checkpoints):
+    """A causal block stops after the last slot read; that changes no draft row (what makes it worth doing)."""
+    drafter = _bind_if_borrowing(load_drafter(checkpoints["nemotron"]))
+    cache = drafter.make_cache()
+    drafter.append_context(mx.array(make_dspark.features()[0]), cache)
+    full = drafter.slot_hidden(_block(drafter, 5), cache)
+    short = drafter.slot_hidden(_block(drafter, 5)[:, :3], cache)
+    np.testing.assert_allclose(np.array(short), np.array(full[:2]), atol=1e-5)
+
+
+def test_nemotron_schemas_normalize_alike():
+    """The Nemotron markers in DeepSpec's top-level spelling and in a nested `dflash_config` are one config."""
+    top = dict(make_dspark.PACKAGINGS["nemotron"][0])
+    nested = {k: v for k, v in top.items() if k not in ("dflash_query_causal", "sliding_window")}
+    nested["dflash_config"] = dict(causal=True, use_swa=True, swa_window_size=8)
+    a, b = DSparkConfig.from_dict(top), DSparkConfig.from_dict(nested)
+    assert a.to_dict() == b.to_dict()
+    assert (a.is_causal, a.sliding_window, a.attention_sink, a.has_own_lm_head, a.logits_start, a.block_size) == (
+        True, 8, True, False, 1, 8)
+    assert a.packaging == "nemotron" and DSparkConfig.from_dict(a.to_dict()) == a
+    # A window a Qwen3 config copied from its target (no DFlash marker beside it) is not the drafter's.
+    plain = DSparkConfig.from_dict(dict(make_dspark.PACKAGINGS["deepspec"][0], sliding_window=4096))
+    assert plain.sliding_window is None and not plain.is_causal
 
 
 def test_bigram_drafter_is_lossless_on_every_width(checkpoints):
@@ -189,8 +244,7 @@ def test_float_conversion_is_exact(checkpoints, tmp_path):
 
 BAD = [
     ("deepspec", {"model_type": "gemma4_text"}, "model_type"),
-    ("deepspec", {"attention_sink_bias": True}, "attention_sink_bias"),
-    ("deepspec", {"dflash_query_causal": True}, "dflash_query_causal"),
+    ("nemotron", {"sliding_window": 4}, "sliding_window"),
     ("deepspec", {"log_snr_conditioning": True}, "log_snr_conditioning"),
     ("deepspec", {"markov_head_type": "gated"}, "markov_head_type"),
     ("deepspec", {"block_size": None, "dspark_num_layers": 1}, "dspark_num_layers"),
