@@ -23,6 +23,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .drafter import DFlashDrafter, DraftAttention
 from .drafter_families import DrafterFamily
 from .dspark_config import DSparkConfig, is_dspark
+from .dspark_layers import Gemma4DraftLayer
 from .errors import DFlashError
 from .metal.block_attention import block_attention
 
@@ -108,6 +109,11 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         H = config.hidden_size
+        if config.backbone == "gemma4":
+            self.layers = [Gemma4DraftLayer(config) for _ in range(config.num_hidden_layers)]
+        elif config.backbone != "qwen3":
+            raise DFlashError(f"DSpark drafter config has backbone {config.backbone!r}; it must be 'qwen3' or "
+                              "'gemma4' (convert the drafter again)")
         if config.attention_sink:
             for layer, kind in zip(self.layers, config.layer_types):
                 layer.self_attn = SinkDraftAttention(config, kind == "sliding_attention")
@@ -152,6 +158,8 @@ class DSparkDrafter(DFlashDrafter):
                               mx.full((1, run - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
         if "embed_tokens" in self:
             x = self.embed_tokens(ids)
+            if cfg.backbone == "gemma4":
+                x = x * cfg.hidden_size ** 0.5  # Gemma's embedding scale (a borrowed target embedding has it)
         else:
             if self.binding is None:
                 raise RuntimeError("this DSpark drafter borrows the target's embedding; call drafter.bind(...)")

@@ -28,8 +28,13 @@ Normalized block size: `block_size` is the engine's widest verify pass = drafts 
 -> 7 drafts -> `block_size` 8). The drafter always runs its full trained block (it is bidirectional, so a shorter
 block would change every slot) and hands the engine the first `width - 1` drafts.
 
-Not supported yet, each refused with one line naming the key: Gemma-4 backbones, qwen3_5 backbones (gated q,
-offset norms, partial rope), GIDD log-SNR conditioning, non-vanilla Markov heads.
+Backbones: Qwen3 layers (every packaging above), or Gemma-4 layers (`model_type: gemma4_text`, e.g.
+deepseek-ai/dspark_gemma4_12b_block7; `dspark_layers.py`): normalized with `backbone: "gemma4"`, `head_dim` = the
+global head dim, `num_key_value_heads` = the global KV heads when `attention_k_eq_v`, the proportional rope in
+`rope_scaling`, and the soft-cap 30 unless the config says otherwise.
+
+Not supported yet, each refused with one line naming the key: qwen3_5 backbones (gated q, offset norms, partial
+rope), GIDD log-SNR conditioning, non-vanilla Markov heads, DFlash-lineage markers on a Gemma-4 backbone.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class DSparkConfig(DFlashConfig):
     has_own_embed: bool = True  # False: the drafter embeds the block with the target's embedding
     has_own_lm_head: bool = True  # False: the drafter projects with the target's LM head
     attention_sink: bool = False  # a learned per-head logit in every attention softmax's denominator (Nemotron)
+    backbone: str = "qwen3"  # the draft layers: "qwen3" (drafter.DraftLayer) or "gemma4" (dspark_layers)
+    attention_k_eq_v: bool = False  # Gemma-4: values are the (un-roped, weightless-normed) key projection
     packaging: str = "deepspec"  # where the checkpoint came from, for --verbose and errors
 
     def __post_init__(self):
@@ -193,12 +200,12 @@ def normalize(raw: Dict[str, Any]) -> Dict[str, Any]:
         c.setdefault("logits_start", 0)
 
     mt = str(c.get("model_type", ""))
-    if "gemma4" in mt:
-        raise _refuse("model_type", mt, "a Gemma-4 DSpark backbone")
+    gemma = "gemma4" in mt
     if mt == "qwen3_5" or c.get("enable_qwen35_gated_q_proj"):
         raise _refuse("model_type", mt, "a qwen3_5 DSpark backbone (gated q, offset norms)")
-    if mt and "qwen3" not in mt:
-        raise DFlashError(f"DSpark drafter config has model_type {mt!r}; only Qwen3 backbones are supported")
+    if mt and "qwen3" not in mt and not gemma:
+        raise DFlashError(f"DSpark drafter config has model_type {mt!r}; only Qwen3 and Gemma-4 backbones are "
+                          "supported")
     if c.get("log_snr_conditioning"):
         raise _refuse("log_snr_conditioning", c["log_snr_conditioning"], "GIDD log-SNR conditioning")
     if c.get("markov_head_type", "vanilla") != "vanilla":
@@ -258,4 +265,24 @@ def normalize(raw: Dict[str, Any]) -> Dict[str, Any]:
         is_causal=causal, sliding_window=window, attention_sink=sink,
         layer_types=["sliding_attention" if window else "full_attention"] * c["num_hidden_layers"],
     )
+    if gemma:
+        if causal or sink or window:
+            key = "attention_sink_bias" if sink else "dflash_query_causal" if causal else "sliding_window"
+            raise _refuse(key, c.get(key, True), "a DFlash-lineage block on a Gemma-4 backbone")
+        values.update(_gemma4(c))
     return values
+
+
+def _gemma4(c: Dict[str, Any]) -> Dict[str, Any]:
+    """A Gemma-4 backbone's attention shape, rope and soft-cap (the defaults are mlx-dspark's, i.e. the 12B head's)."""
+    rope = (c.get("rope_parameters") or {}).get("full_attention") or {}
+    k_eq_v = bool(c.get("attention_k_eq_v", True))
+    proportional = rope.get("rope_type", "proportional") == "proportional"
+    return dict(
+        backbone="gemma4", attention_k_eq_v=k_eq_v, head_dim=c.get("global_head_dim", 512),
+        num_key_value_heads=c.get("num_global_key_value_heads", 1) if k_eq_v else c.get("num_key_value_heads", 8),
+        rope_theta=rope.get("rope_theta", 1_000_000.0), rope_scaling=(
+            {"rope_type": "proportional", "partial_rotary_factor": rope.get("partial_rotary_factor", 0.25)}
+            if proportional else None),
+        final_logit_softcapping=c.get("final_logit_softcapping", 30.0),
+    )

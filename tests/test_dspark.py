@@ -94,11 +94,12 @@ def test_acceptance_per_pass_matches_the_reference(name, checkpoints):
 
 def _random_dspark(model, block=7, logits_start=0, seed=1, **kw):
     n = tiny.num_layers(model)
-    cfg = DSparkConfig(hidden_size=tiny.HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, intermediate_size=96, vocab_size=model.args.vocab_size, rope_theta=10000.0,
-                       target_layer_ids=sorted({min(1, n - 1), n - 1}), mask_token_id=model.args.vocab_size - 1,
-                       dspark_block=block, logits_start=logits_start, block_size=block + 1 - logits_start,
-                       **dict(dict(markov_rank=8, enable_confidence_head=True), **kw))
+    values = dict(hidden_size=tiny.HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=96, vocab_size=model.args.vocab_size, rope_theta=10000.0,
+                  target_layer_ids=sorted({min(1, n - 1), n - 1}), mask_token_id=model.args.vocab_size - 1,
+                  dspark_block=block, logits_start=logits_start, block_size=block + 1 - logits_start,
+                  markov_rank=8, enable_confidence_head=True)
+    cfg = DSparkConfig(**dict(values, **kw))
     drafter = tiny.randomize(DSparkDrafter(cfg), seed)
     return drafter, TargetModel(model, cfg.target_layer_ids)
 
@@ -113,17 +114,24 @@ def test_greedy_output_is_plain_greedy(kind, block, logits_start, width):
     assert max(c.width for c in cycles) == width
 
 
-NEMOTRON = dict(is_causal=True, sliding_window=8, layer_types=["sliding_attention"] * 2, attention_sink=True,
-                has_own_lm_head=False, enable_confidence_head=False)
+VARIANTS = {
+    # Causal block, a window shorter than the prompt, sinks, the target's head, a pure anchor slot.
+    "nemotron": (8, 1, dict(is_causal=True, sliding_window=8, layer_types=["sliding_attention"] * 2,
+                            attention_sink=True, has_own_lm_head=False, enable_confidence_head=False)),
+    "gemma4": (7, 0, dict(backbone="gemma4", attention_k_eq_v=True, head_dim=32, num_key_value_heads=1,
+                          rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                          final_logit_softcapping=30.0)),
+}
 
 
 @pytest.mark.parametrize("kind", tiny.CORE_KINDS + ("qwen3_tied",))
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("width", [8, 3])
-def test_nemotron_style_greedy_output_is_plain_greedy(kind, width):
-    """Causal block, a window shorter than the prompt, sinks, the target's head, a pure anchor slot."""
+def test_variant_greedy_output_is_plain_greedy(kind, variant, width):
     model = tiny.target(kind)
-    drafter, _ = _random_dspark(model, 8, 1, **NEMOTRON)
-    assert "lm_head" not in drafter and drafter.causal_block
+    block, start, kw = VARIANTS[variant]
+    drafter, _ = _random_dspark(model, block, start, **kw)
+    assert ("lm_head" not in drafter and drafter.causal_block) if variant == "nemotron" else not drafter.causal_block
     t = prepare(model, drafter)
     prompt = tiny.prompt_ids(10, seed=2)
     tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, block_size=width)
@@ -208,7 +216,7 @@ def test_sampling_with_the_markov_walk_is_exact():
 
 
 # -- conversion and loading -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["deepspec", "speculators"])
+@pytest.mark.parametrize("name", ["deepspec", "speculators", "gemma4"])
 @pytest.mark.parametrize("bits,tolerance", [(4, 0.5), (8, 0.08)])
 def test_quantized_conversion_round_trips(name, bits, tolerance, checkpoints, tmp_path):
     out = convert_drafter(str(checkpoints[name]), tmp_path / "q", dtype="float32", q_bits=bits, q_group_size=32)
@@ -225,7 +233,8 @@ def test_quantized_conversion_round_trips(name, bits, tolerance, checkpoints, tm
         d.append_context(mx.array(make_dspark.features()[0]), cache)
         rows.append(d.draft_logits(d.slot_hidden(_block(d, make_dspark.ANCHORS[0]), cache)))  # parallel part
     err = (mx.linalg.norm(rows[1] - rows[0]) / mx.linalg.norm(rows[0])).item()
-    assert 0 < err < tolerance, err
+    # The tiny random Gemma-4 head measures 0.61 at 4 bits (its sandwich norms re-scale each sublayer's error).
+    assert 0 < err < tolerance * (1.5 if name == "gemma4" and bits == 4 else 1), err
     t = TargetModel(tiny.target("qwen3"), got.config.target_layer_ids)
     tokens, _ = tiny.run_dflash(tiny.prompt_ids(12), t, got, max_tokens=24)
     assert tokens == tiny.reference("qwen3", tiny.prompt_ids(12), 24)
@@ -243,7 +252,8 @@ def test_float_conversion_is_exact(checkpoints, tmp_path):
 
 
 BAD = [
-    ("deepspec", {"model_type": "gemma4_text"}, "model_type"),
+    ("deepspec", {"model_type": "qwen3_5"}, "model_type"),
+    ("gemma4", {"attention_sink_bias": True}, "attention_sink_bias"),
     ("nemotron", {"sliding_window": 4}, "sliding_window"),
     ("deepspec", {"log_snr_conditioning": True}, "log_snr_conditioning"),
     ("deepspec", {"markov_head_type": "gated"}, "markov_head_type"),
