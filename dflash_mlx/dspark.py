@@ -8,6 +8,10 @@ That is a `DraftWalk` (`acceptance.py`): the engine's acceptor draws each slot f
 output and sampling exact. An optional confidence head estimates, per slot, the probability that the draft
 survives verification given the prefix before it (`DSparkWalk.confidence`).
 
+Variants: NVIDIA's Nemotron head (DFlash lineage) runs the block causally over a window of the context with a
+learned per-head attention sink (`SinkDraftAttention`) and projects with the target's LM head; a Gemma-4 backbone
+swaps the layers for `dspark_layers.Gemma4DraftLayer` and scales its embedding by sqrt(hidden).
+
 Configuration and packagings: `dspark_config.py`. Reference: DeepSpec's inference path as mlx-dspark ports it.
 """
 
