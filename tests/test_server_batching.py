@@ -117,3 +117,39 @@ def test_a_client_leaving_does_not_disturb_the_others(pair, live):
             break
         threading.Event().wait(0.05)
     assert server.worker.running == 0 and not server.generator.batch.members
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A qwen3_5 target (GatedDeltaNet + attention) with the demo tokenizer and a random drafter."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_lm.utils import _get_classes
+
+    from cache_compare import CONFIGS
+    from tiny import make_drafter, randomize
+
+    target_dir, _ = make_tiny_pair(tmp_path_factory.mktemp("hybrid"))
+    tokenizer = load_tokenizer(target_dir)
+    text = dict(CONFIGS["qwen3_5"]["text_config"], vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    config = dict(CONFIGS["qwen3_5"], text_config=text)
+    model_class, args_class = _get_classes(config)
+    model = randomize(model_class(args_class.from_dict(config)), 7)
+    drafter, _ = make_drafter(model, vocab_size=len(tokenizer), mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"))
+    return model, tokenizer, drafter
+
+
+def test_hybrid_concurrent_replies_equal_alone(hybrid):
+    """GatedDeltaNet state per request, the prefix cache on: concurrent greedy and seeded replies equal alone."""
+    app = create_app(*hybrid, ServerSettings(model_name="tiny", max_batch=4))
+    running = start_in_thread(app)
+    try:
+        jobs = [(PROMPTS[0], 100, {}), (PROMPTS[1], 30, dict(temperature=0.9, seed=4)), (PROMPTS[2], 30, {})]
+        got = _concurrent(running.base, jobs)
+        sizes = app.state.server.generator.batch.sizes
+    finally:
+        running.stop()
+    model, tokenizer, drafter = hybrid
+    want = [generate(model, tokenizer, ids, drafter, max_tokens=n, temp=o.get("temperature", 0.0), seed=o.get("seed"))
+            for ids, n, o in jobs]
+    assert got == want
+    assert max(sizes) >= 2
