@@ -17,9 +17,11 @@ member's caches, acceptor state and random keys are exactly those of its generat
 over more rows. `BatchedGeneration` is `generation.Generation` with its cycles from a batch.
 
 Widths: a member with a fixed width keeps it; a seeded sampling member keeps its own reproducible policy (its
-widths, and so its random draws, must not depend on its neighbours); every other adaptive member uses the batch's
-shared `WidthPolicy` (`SharedWidth`): one choice per pass, from the cost model fed with the pass's measured
-seconds and every member's acceptance. Widths may differ within a pass (the forward is ragged).
+widths, and so its random draws, must not depend on its neighbours); so does a member that also drafts by lookup
+(its draft-source choice, `sources.SourceChoice`, is per request: the server's default). Its policy is fed the
+shared pass's measured seconds, so its cost model sees what a pass costs with this batch. Any other adaptive
+member uses the batch's shared `WidthPolicy` (`SharedWidth`): one choice per pass, from the same cost model fed
+with the pass's seconds and every member's acceptance. Widths may differ within a pass (the forward is ragged).
 """
 
 from __future__ import annotations
