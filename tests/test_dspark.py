@@ -27,7 +27,7 @@ from dflash_mlx.drafter_io import load_drafter, read_config
 from dflash_mlx.dspark import DSparkDrafter
 from dflash_mlx.dspark_config import DSparkConfig
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.loading import prepare
+from dflash_mlx.loading import load_target, prepare
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.targets import TargetModel
 
@@ -291,3 +291,46 @@ def test_missing_d2t_is_refused(checkpoints, tmp_path):
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     with pytest.raises(DFlashError, match="d2t"):
         load_drafter(path)
+
+
+# -- end to end through the public API --------------------------------------------------------------------------------
+class _RecordingDSpark(DSparkDrafter):
+    """Keeps every walk the engine drafts from, to read their confidences afterwards."""
+
+    def draft_walk(self, block_ids, cache):
+        walk = super().draft_walk(block_ids, cache)
+        self.walks.append(walk)
+        return walk
+
+
+def test_stream_generate_with_a_dspark_drafter_is_plain_and_exposes_confidence(tmp_path):
+    from dflash_mlx import api
+    from dflash_mlx.demo import make_tiny_pair
+
+    target_dir, _ = make_tiny_pair(tmp_path)
+    model, tokenizer = load_target(str(target_dir))
+    ids = tokenizer.encode("Hello there")
+    plain = [r.token for r in api.stream_generate(model, tokenizer, ids, None, max_tokens=40)]
+    V, n = model.args.vocab_size, tiny.num_layers(model)
+    cfg = DSparkConfig(hidden_size=model.args.hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=V, rope_theta=10000.0,
+                       target_layer_ids=[1, n - 2], mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"),
+                       dspark_block=7, logits_start=0, block_size=8, markov_rank=V, enable_confidence_head=True)
+    drafter = tiny.randomize(_RecordingDSpark(cfg), 4)
+    # A Markov head that follows the plain continuation's bigrams, so drafts are accepted and wide passes happen.
+    w2 = np.zeros((V, V), dtype=np.float32)
+    for a, b in zip(list(ids) + plain, plain):
+        w2[b, a] = 0.0 if w2[:, a].any() else 12.0
+    drafter.markov_head.markov_w1.weight = mx.eye(V)
+    drafter.markov_head.markov_w2.weight = mx.array(w2)
+    for block_size in (None, 5):
+        drafter.walks = []
+        out = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=40, block_size=block_size,
+                                       lookup=False))
+        assert [r.token for r in out] == plain and len(plain) == 40
+        assert sum(r.accepted for r in out if r.source == "dflash") > 10 and out[-1].tau > 1.5
+        assert drafter.walks and max(w.length for w in drafter.walks) == (block_size or 8) - 1
+        for walk in drafter.walks:
+            assert walk.has_confidence
+            conf = np.array(walk.confidence())
+            assert conf.shape == (walk.length,) and ((conf > 0) & (conf < 1)).all()
