@@ -48,11 +48,11 @@ def _method(report, kind):
 def test_report_has_every_method_and_field(report, capsys):
     data, _ = report
     assert [m["name"] for m in data["methods"]] == ["mlx-lm", "oracle adaptive", f"oracle B={BLOCK}",
-                                                    "mlx-lm spec k=2", "dflash adaptive", f"dflash B={BLOCK}",
-                                                    "random adaptive"]
+                                                    "mlx-lm spec k=2", "dflash adaptive", "dflash+lookup adaptive",
+                                                    f"dflash B={BLOCK}", "random adaptive", "lookup adaptive"]
     for m in data["methods"]:
         for key in ("tok_s", "speedup", "tau", "histogram", "widths", "cycles", "peak_memory_gb", "identical",
-                    "seconds"):
+                    "seconds", "sources"):
             assert key in m, key
         assert m["tokens"] == 2 * MAX_TOKENS
         assert m["tok_s"] > 0 and m["peak_memory_gb"] > 0
@@ -134,6 +134,26 @@ def test_prompt_sources(tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 
+def test_editing_set_and_lookup_methods(pair, tmp_path):
+    """The shipped editing prompts load; `--draft lookup` runs lookup alone beside plain decoding, and its passes
+    are counted per source; `--no-lookup` leaves the lookup methods out."""
+    editing = load_prompts("editing")
+    assert len(editing) == 20 and all("```python" in p.text for p in editing)
+    code = main(["bench", "--model", str(pair[0]), "--draft", "lookup", "--prompts", "editing", "--num-prompts", "1",
+                 "--max-tokens", "8", "--no-profile", "--verify-prompts", "0", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [m["name"] for m in data["methods"]] == ["mlx-lm", "lookup adaptive"]
+    lookup = data["methods"][1]
+    assert lookup["identical"] == 1 and sum(s["tokens"] for s in lookup["sources"].values()) == lookup["tokens"] - 1
+    code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompts", "editing", "--num-prompts",
+                 "1", "--max-tokens", "4", "--no-profile", "--no-fixed-draft", "--verify-prompts", "0", "--no-lookup",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    assert [m["name"] for m in json.loads((tmp_path / "bench.json").read_text())["methods"]] == ["mlx-lm",
+                                                                                                "dflash adaptive"]
+
+
 def test_bench_needs_something_to_compare(pair, capsys):
     code = main(["bench", "--model", str(pair[0])])
     assert code == 2
@@ -146,7 +166,8 @@ def test_no_fixed_draft_and_profile_prompts(pair, prompts_file, tmp_path):
                  "--profile-prompts", "1", "--verify-prompts", "0", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert [m["name"] for m in data["methods"]] == ["mlx-lm", "dflash adaptive"]
+    assert [m["name"] for m in data["methods"]] == ["mlx-lm", "dflash adaptive", "dflash+lookup adaptive",
+                                                    "lookup adaptive"]
     assert [bool(p["runs"]["dflash adaptive"].get("phases_s")) for p in data["prompts"]] == [True, False]
 
 
