@@ -266,7 +266,6 @@ BAD = [
 
 @pytest.mark.parametrize("name,change,key", BAD)
 def test_bad_configs_are_one_line_naming_the_key(name, change, key, tmp_path):
-
     path = make_dspark.write_checkpoint(tmp_path / name, name)
     raw = json.loads((path / "config.json").read_text())
     for k, v in change.items():
