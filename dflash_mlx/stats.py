@@ -73,7 +73,7 @@ class AcceptanceStats:
             lines.append(f"{length:>3} | {bar:<{width}} {count}")
         how = "chosen per pass" if self.adaptive else "fixed"
         lines.append(f"verify widths ({how}): {self.format_widths()}")
-        if set(self.sources) - {"plain", "dflash"}:
+        if self.sources:
             lines.append(f"draft sources: {self.format_sources()}")
         return "\n".join(lines)
 

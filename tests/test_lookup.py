@@ -205,3 +205,34 @@ def test_stats_count_passes_and_tokens_per_source():
                                      "plain": {"passes": 1, "tokens": 1}}
     assert stats.drafted_cycles == 1  # the collapse watch judges the drafter alone
     assert "lookup 1 / 4" in stats.format_sources() and "draft sources" in stats.format_histogram()
+
+
+# -- front ends ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from dflash_mlx.demo import make_tiny_pair
+
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"), block_size=4)
+
+
+def test_api_and_chat_run_lookup_alone(demo):
+    from dflash_mlx.api import load, stream_generate
+    from dflash_mlx.chat import ChatSession
+    from dflash_mlx.errors import DFlashError
+
+    model, tokenizer, drafter = load(str(demo[0]), "lookup")
+    assert drafter == "lookup"
+    prompt = "one two three four five six one two three four five six one two three"
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, None, max_tokens=24)]
+    responses = list(stream_generate(model, tokenizer, prompt, "lookup", max_tokens=24))
+    assert [r.token for r in responses] == plain
+    assert {r.source for r in responses} <= {LOOKUP, PLAIN} and DFLASH not in responses[-1].stats.sources
+    off = list(stream_generate(model, tokenizer, prompt, "lookup", max_tokens=8, lookup=False))
+    assert {r.source for r in off} == {PLAIN}
+    with pytest.raises(DFlashError, match="lookup"):
+        next(stream_generate(model, tokenizer, prompt, "ngram", max_tokens=4))
+    session = ChatSession(model, tokenizer, "lookup", max_tokens=8)
+    for text in ("say one two three", "again"):
+        "".join(session.send(text))
+    assert len(session.state.extra["lookup"]) == len(session.seen)
+    assert "draft sources: " in session.stats_text() and "(passes / tokens)" in session.stats_text()
