@@ -6,8 +6,10 @@ lookup continuation (`lookup.LookupIndex.propose`, tokens copied from the contex
 a DFlash block. For each source s and width w it estimates the rate E_s(w) / c_s(w) and takes the best:
 
 - E_s(w) = 1 + sum_{i<w} prod_{j<=i} a_j, from per-slot acceptance a_j (slot j accepted given 1..j-1 were). The
-  DFlash source keeps `WidthPolicy`'s own estimates (or takes the per-slot probabilities an offer brings, e.g. a
-  drafter's confidence head: `Offer.rates`). Lookup keeps faded counts per match length (a short match is a
+  DFlash source keeps `WidthPolicy`'s own estimates, unless per-slot probabilities are supplied for the pass
+  (`offer(..., dflash_rates=)`, the hook for a drafter's confidence head; a lookup `Offer.rates` likewise). The
+  engine supplies none yet: DSpark's head (`DSparkWalk.confidence()`) is known only after the block is drafted on
+  the device, so using it before the width is chosen would cost a second host sync per pass. Lookup keeps faded counts per match length (a short match is a
   guess, a long one usually a copy in progress), each shrunk toward the pooled lookup counts, those toward a prior
   that grows with the match length.
 - c_s(w): measured seconds per pass, from the time between the engine's syncs, per source (a lookup pass is a
@@ -106,6 +108,7 @@ class SourceChoice:
         self.pooled = _SlotCounts(self.lookup_width - 1)
         self.by_match: Dict[int, _SlotCounts] = {}
         self._offer: Optional[Offer] = None
+        self._dflash_rates: Optional[List[float]] = None
         self.source = PLAIN  # the source of the pass last chosen
         self._chosen: Optional[Offer] = None
 
@@ -147,34 +150,49 @@ class SourceChoice:
         return best
 
     # -- the engine's calls --------------------------------------------------------------------------------------
-    def offer(self, lookup: Optional[LookupDraft]) -> None:
-        """The lookup continuation available for the next pass (None: no match)."""
+    def offer(self, lookup: Optional[LookupDraft], dflash_rates: Optional[List[float]] = None) -> None:
+        """The lookup continuation available for the next pass (None: no match), and optionally the drafter's own
+        per-slot acceptance estimates for it (a confidence head read on the host), used instead of the running
+        ones."""
         self._offer = (Offer(LOOKUP, len(lookup.tokens) + 1, lookup.tokens, lookup.match)
                        if lookup is not None and lookup.tokens else None)
+        self._dflash_rates = dflash_rates
 
     def choose(self) -> int:
         offer, self._offer, self._chosen = self._offer, None, None
+        supplied, self._dflash_rates = self._dflash_rates, None
         if offer is not None:
             rate, w = self._best_lookup(offer)
             if rate is None and (self.dflash is None or not self.dflash.costs):
                 pass  # nothing measured yet: copy (a context match is the better first guess)
             else:
-                rivals = self._rival_rate()
+                rivals = self._rival_rate(supplied)
                 if rate is None or rivals is None or rate <= rivals:
                     offer = None
             if offer is not None:
                 self.source, self._chosen = LOOKUP, offer
                 return w
-        if self.dflash is not None:
+        if self.dflash is not None and supplied is not None and self.dflash.costs:
+            w = self._best_supplied(supplied)[1]
+        elif self.dflash is not None:
             w = self.dflash.choose()
         else:
             w = 1
         self.source = DFLASH if w > 1 else PLAIN
         return w
 
-    def _rival_rate(self) -> Optional[float]:
+    def _best_supplied(self, rates: List[float]):
+        """(rate, width) of the best DFlash pass (plain included) under per-slot estimates the drafter supplied."""
+        expected = expected_tokens(rates[: self.dflash.max_width - 1])
+        options = [(expected[w - 1] / max(self.dflash.cost(w), 1e-9), -w) for w in range(1, len(expected) + 1)]
+        rate, w = max(options)
+        return rate, -w
+
+    def _rival_rate(self, supplied: Optional[List[float]] = None) -> Optional[float]:
         """The best rate without lookup: DFlash at its best width, or plain decoding."""
         if self.dflash is not None and self.dflash.costs:
+            if supplied is not None:
+                return self._best_supplied(supplied)[0]
             return max(self.dflash.rates_per_second())
         plain = self.plain_cost()
         return 1.0 / plain if plain else None

@@ -194,6 +194,13 @@ def test_choice_weighs_lookup_against_dflash_and_takes_supplied_rates():
     choice._offer = Offer(LOOKUP, 8, list(range(7)), 2, rates=[0.99] * 7)
     assert choice.choose() == 8 and choice.source == LOOKUP
     assert choice.lookup_tokens == list(range(7))
+    choice.record(8, 7, 1.0)
+    # A drafter's own per-slot estimates (a confidence head) replace the running ones for that pass.
+    choice.offer(None, dflash_rates=[0.01, 0.01, 0.01])
+    assert choice.choose() == 1 and choice.source == PLAIN
+    choice.record(1, 0, 1.0)
+    choice.offer(None)
+    assert choice.choose() == 4 and choice.source == DFLASH
 
 
 def test_stats_count_passes_and_tokens_per_source():
