@@ -122,12 +122,14 @@ def soak(base: str, n: int, model: str, seed: int = 0, after_each: Optional[Call
     return kinds
 
 
-def settle(server) -> None:
-    """Wait (bounded) until the worker is idle, so dropped streams have finished, then collect garbage."""
-    deadline = time.monotonic() + 60
-    while (server.worker.running or server.worker.waiting) and time.monotonic() < deadline:
-        time.sleep(0.05)
+def settle(app) -> None:
+    """Wait (bounded) until the worker is idle, so dropped streams have finished, and the server has given memory
+    back as it does once idle (server/memory.py)."""
+    server, keeper = app.state.server, app.state.memory
     gc.collect()
+    deadline = time.monotonic() + 60
+    while (server.worker.running or server.worker.waiting or not keeper.caught_up) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _load(args):
@@ -177,11 +179,11 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         soak(running.base, args.warmup, "soak", args.seed, check)
-        settle(server)
+        settle(app)
         base_rss = rss_bytes()
         t1 = time.perf_counter()
         kinds = soak(running.base, args.requests, "soak", args.seed + 1, check)
-        settle(server)
+        settle(app)
         end_rss = rss_bytes()
         t2 = time.perf_counter()
     finally:
@@ -192,7 +194,8 @@ def main(argv=None) -> int:
           + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     print(f"RSS after warm-up: {mib(base_rss)}   at the end: {mib(end_rss)}   growth: {growth:+.2f}% "
           f"(limit {args.max_growth}%)")
-    print(f"MLX memory: active {mib(mx.get_active_memory())}, buffer cache {mib(mx.get_cache_memory())}")
+    print(f"MLX memory: active {mib(mx.get_active_memory())}, buffer cache {mib(mx.get_cache_memory())}; "
+          f"idle releases: {app.state.memory.releases}")
     print(f"prefix cache: {len(cache)} entries, {mib(cache.nbytes)} now, {mib(peak['cache'])} at most, budget "
           f"{mib(budget)}; {cache.evictions} evictions, {cache.hits} hits, {cache.misses} misses")
     store = app.state.responses

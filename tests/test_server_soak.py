@@ -54,15 +54,17 @@ def test_soak_keeps_memory_bounded(live):
         assert len(store) <= store.max_entries and store.nbytes <= store.max_bytes
 
     server_soak.soak(running.base, 6, "soak", seed=1, after_each=check)
-    server_soak.settle(server)
+    server_soak.settle(app)
     active = mx.get_active_memory()
     kinds = server_soak.soak(running.base, 24, "soak", seed=2, after_each=check)
-    server_soak.settle(server)
+    server_soak.settle(app)
     assert {"chat_drop", "responses_drop", "responses_chain"} <= set(kinds)
     assert cache.evictions > 0 and cache.hits > 0
     assert server.worker.running == 0 and server.worker.waiting == 0
     # Arrays nobody holds are freed: what is live beyond the warm-up level fits in the cache's budget.
     assert mx.get_active_memory() <= active + BUDGET + (1 << 20)
+    # Once idle, the server gave MLX's buffer cache back (server/memory.py).
+    assert app.state.memory.caught_up and mx.get_cache_memory() == 0
 
 
 def test_made_up_paths_do_not_grow_the_metrics_table(live):

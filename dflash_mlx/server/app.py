@@ -28,6 +28,7 @@ from ..sampling import SamplingParams
 from . import anthropic_format, errors, prompts, responses_format
 from .errors import APIError
 from .generation import GenerationRequest, Generator, Outcome
+from .memory import MemoryKeeper
 from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
 from .responses_store import ResponseStore
@@ -237,11 +238,16 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        keeper.start()
         yield
+        await keeper.stop()
         await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
 
     app = FastAPI(title="dflash-mlx", version=_version(), lifespan=lifespan)
     app.state.server = server
+    handled = [0]  # requests answered, for the memory keeper
+    # Idle spells give MLX's buffer cache and malloc's free pages back (server/memory.py).
+    keeper = app.state.memory = MemoryKeeper(server.worker, lambda: handled[0])
     errors.install(app)
 
     async def authorize(request: Request) -> None:
@@ -259,6 +265,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
+        handled[0] += 1
         # Counted by route template: paths clients make up (/v1/models/ANY, 404s) must not grow the table forever.
         route = request.scope.get("route")
         server.metrics.record_request(getattr(route, "path", None) or "unmatched", response.status_code)
