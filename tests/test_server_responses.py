@@ -169,7 +169,7 @@ CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 class Scripted(Generator):
     """Calls get_weather until the prompt holds its result, then reports the result."""
 
-    def run(self, req, should_stop=lambda: False):
+    def run(self, req, should_stop=lambda: False, **_):
         prompt = self.tokenizer.decode(req.prompt)
         self.prompts.append(prompt)
         done = "<|im_start|>tool\n21 C, sunny" in prompt
