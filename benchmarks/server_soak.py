@@ -4,6 +4,7 @@ process's resident memory is compared with its level after the warm-up.
 
     python benchmarks/server_soak.py                      # the tiny demo pair, 500 requests
     python benchmarks/server_soak.py --model qwen2.5-coder-0.5b --requests 300 --cache-bytes 64MiB
+    python benchmarks/server_soak.py --clients 3          # three clients at once: batched generations
 
 Prints RSS after the warm-up and at the end, the growth in percent, MLX's active and cached buffer memory, the
 prefix cache's bytes against its budget and its evictions; exits 1 when RSS grew by --max-growth percent or more,
@@ -22,8 +23,10 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional
 
 import httpx
@@ -108,17 +111,32 @@ def one_request(client: httpx.Client, rng: random.Random, model: str, state: Dic
     return kind
 
 
-def soak(base: str, n: int, model: str, seed: int = 0, after_each: Optional[Callable[[int], None]] = None) -> Counter:
-    """`n` mixed requests against the server at `base` (http://127.0.0.1:PORT), one after another (the server
-    runs one generation at a time anyway); `after_each(i)` runs after each. Returns the count of each kind."""
-    rng = random.Random(seed)
+def soak(base: str, n: int, model: str, seed: int = 0, after_each: Optional[Callable[[int], None]] = None,
+         clients: int = 1) -> Counter:
+    """`n` mixed requests against the server at `base` (http://127.0.0.1:PORT) from `clients` threads at once
+    (several: the server batches them), each sending its share one after another; `after_each(i)` runs after
+    each. Returns the count of each kind; the first client error is raised."""
     kinds: Counter = Counter()
-    state: Dict = {}
-    with httpx.Client(base_url=base, timeout=300) as client:
-        for i in range(n):
-            kinds[one_request(client, rng, model, state)] += 1
-            if after_each is not None:
-                after_each(i)
+    lock = threading.Lock()
+
+    def client_loop(k: int, share: int) -> None:
+        rng, state = random.Random(seed * 1000 + k), {}
+        with httpx.Client(base_url=base, timeout=300) as client:
+            for i in range(share):
+                kind = one_request(client, rng, model, state)
+                with lock:
+                    kinds[kind] += 1
+                    done = sum(kinds.values())
+                if after_each is not None:
+                    after_each(done - 1)
+
+    if clients <= 1:
+        client_loop(0, n)
+        return kinds
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client_loop, k, n // clients + (k < n % clients)) for k in range(clients)]
+        for future in futures:
+            future.result()
     return kinds
 
 
@@ -151,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=60, help="requests before the baseline is taken")
     parser.add_argument("--cache-bytes", default="4MiB", help="prefix-cache budget, small so that it evicts")
     parser.add_argument("--max-growth", type=float, default=5.0, help="RSS growth (%%) that fails the run")
+    parser.add_argument("--clients", type=int, default=1, help="clients sending at once (the server batches them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object too")
     args = parser.parse_args(argv)
@@ -178,11 +197,11 @@ def main(argv=None) -> int:
     running = start_in_thread(app)
     try:
         t0 = time.perf_counter()
-        soak(running.base, args.warmup, "soak", args.seed, check)
+        soak(running.base, args.warmup, "soak", args.seed, check, args.clients)
         settle(app)
         base_rss = rss_bytes()
         t1 = time.perf_counter()
-        kinds = soak(running.base, args.requests, "soak", args.seed + 1, check)
+        kinds = soak(running.base, args.requests, "soak", args.seed + 1, check, args.clients)
         settle(app)
         end_rss = rss_bytes()
         t2 = time.perf_counter()
@@ -190,7 +209,8 @@ def main(argv=None) -> int:
         running.stop()
     growth = 100.0 * (end_rss - base_rss) / base_rss
     mib = lambda b: f"{b / 2**20:.1f} MiB"
-    print(f"requests: {args.warmup} warm-up ({t1 - t0:.0f} s) + {args.requests} measured ({t2 - t1:.0f} s): "
+    print(f"requests from {args.clients} client(s): {args.warmup} warm-up ({t1 - t0:.0f} s) + {args.requests} "
+          f"measured ({t2 - t1:.0f} s): "
           + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     print(f"RSS after warm-up: {mib(base_rss)}   at the end: {mib(end_rss)}   growth: {growth:+.2f}% "
           f"(limit {args.max_growth}%)")
