@@ -9,8 +9,9 @@
 
 Modules: app (routes), schemas (request bodies), prompts (chat templates), worker (queue, one generation at a
 time), streaming (a job's events for a route), generation (the engine), prefix_cache (snapshots across requests),
-text (stop strings, reasoning and tool calls), openai_format / anthropic_format (response bodies), metrics
-(Prometheus text), errors.
+text (stop strings, reasoning and tool calls), openai_format / anthropic_format / responses_format (response bodies;
+the last also the /v1/responses routes), responses_store (past responses for previous_response_id), memory (gives
+freed memory back when idle), metrics (Prometheus text), errors.
 
 Shutdown (Ctrl-C, SIGTERM, `RunningServer.stop`): uvicorn stops accepting, then waits for the responses in flight;
 `_Server` first tells the app, whose running generation stops at its next verify pass, so a stream ends with a
