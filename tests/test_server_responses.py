@@ -173,7 +173,8 @@ class Scripted(Generator):
         prompt = self.tokenizer.decode(req.prompt)
         self.prompts.append(prompt)
         done = "<|im_start|>tool\n21 C, sunny" in prompt
-        reply = "Paris: 21 C, sunny." if done else f"<think>Need data.</think><tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+        call = f"<think>Need data.</think><tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+        reply = "Paris: 21 C, sunny." if done else call
         tokens = self.tokenizer.encode(reply, add_special_tokens=False)
         detokenizer = self.tokenizer.detokenizer
         detokenizer.reset()

@@ -1,6 +1,6 @@
 """The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, Anthropic's /v1/messages,
-OpenAI's Responses API (/v1/responses, in server/responses_format.py), plus /health (GET and HEAD) and /metrics. Handlers validate and tokenize, queue a job on the worker, and format its
-events.
+OpenAI's Responses API (/v1/responses, in server/responses_format.py), plus /health (GET and HEAD) and /metrics.
+Handlers validate and tokenize, queue a job on the worker, and format its events.
 
 Every body's text is checked first (`schemas.check_text`: no lone surrogates, at most 8 bytes per token of the
 model's context plus 16 KiB), and prompts are rendered and tokenized on a thread, so a big prompt neither stalls
