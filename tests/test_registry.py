@@ -107,7 +107,8 @@ def test_collapse_warning_fires_once_on_a_random_drafter(tmp_path, caplog):
     target_dir, drafter_dir = make_tiny_pair(tmp_path)
     model, tokenizer, drafter = api.load(str(target_dir), str(drafter_dir))
     with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
-        responses = list(api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=120))
+        # Lookup off: this is about the drafter's own acceptance (the tiny model repeats itself, so copies succeed).
+        responses = list(api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=120, lookup=False))
     assert responses[-1].tau < 1.25
     warnings = [r for r in caplog.records if "acceptance collapsed" in r.getMessage()]
     assert len(warnings) == 1
