@@ -50,7 +50,7 @@ def _reply_to(prompt: str) -> str:
 class Scripted(Generator):
     """Replies as `_reply_to` says, token by token, as the engine loop would hand it over."""
 
-    def run(self, req, should_stop=lambda: False):
+    def run(self, req, should_stop=lambda: False, **_):
         self.last_prompt = self.tokenizer.decode(req.prompt)
         tokens = self.tokenizer.encode(_reply_to(self.last_prompt), add_special_tokens=False)
         detokenizer = self.tokenizer.detokenizer

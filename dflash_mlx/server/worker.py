@@ -125,9 +125,16 @@ class Worker:
         should_stop = lambda: job.cancelled or self._stopping  # noqa: E731
         with self._lock:
             self.running += 1
-        if batched:
-            return self.generator.run(job.request, should_stop=should_stop, batched=True)
-        return self.generator.run(job.request, should_stop=should_stop)
+        try:
+            if batched:
+                return self.generator.run(job.request, should_stop=should_stop, batched=True)
+            return self.generator.run(job.request, should_stop=should_stop)
+        except Exception as e:  # the client gets the error instead of waiting forever
+            logger.exception("generation failed to start")
+            job.push(e)
+            with self._lock:
+                self.running -= 1
+            return None
 
     def _step(self, job: Job, events: Iterator) -> bool:
         """Hand the job its next event (one verify pass, shared with the other running jobs); False once done."""
