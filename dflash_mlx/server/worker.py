@@ -126,7 +126,8 @@ class Worker:
         with self._lock:
             self.running += 1
         try:
-            if batched:
+            # Asked again now: the loop may have computed its limit before the generator was wrapped (distributed).
+            if batched and self.max_running > 1:
                 return self.generator.run(job.request, should_stop=should_stop, batched=True)
             return self.generator.run(job.request, should_stop=should_stop)
         except Exception as e:  # the client gets the error instead of waiting forever
