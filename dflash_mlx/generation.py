@@ -90,7 +90,7 @@ class Generation:
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
-                 lookup_width: int = 16, **sampling):
+                 lookup_width: int = 32, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
         if acceptor is None:

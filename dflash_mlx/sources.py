@@ -98,7 +98,7 @@ class SourceChoice:
         cost: a fixed cost per width instead of measured seconds (`width.nominal_cost`: reproducible sampling).
     """
 
-    def __init__(self, dflash: Optional[WidthPolicy], lookup_width: int = 16, *, decay: float = 0.98,
+    def __init__(self, dflash: Optional[WidthPolicy], lookup_width: int = 32, *, decay: float = 0.98,
                  prior_weight: float = 1.0, cost: Optional[Callable[[int], float]] = None):
         self.dflash = dflash
         self.lookup_width = max(2, lookup_width)
