@@ -154,8 +154,8 @@ def generate(
     if verbose:
         from .drafter_families import describe
 
-        print(f"drafter: {'none: lookup drafting from the context alone' if drafter == 'lookup' else describe(drafter)}",
-              file=sys.stderr)
+        what = "none: lookup drafting from the context alone" if drafter == "lookup" else describe(drafter)
+        print(f"drafter: {what}", file=sys.stderr)
     try:
         console.stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
     except KeyboardInterrupt:  # the line is ended and the summary printed; main says "interrupted"

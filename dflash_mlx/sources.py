@@ -9,9 +9,9 @@ a DFlash block. For each source s and width w it estimates the rate E_s(w) / c_s
   DFlash source keeps `WidthPolicy`'s own estimates, unless per-slot probabilities are supplied for the pass
   (`offer(..., dflash_rates=)`, the hook for a drafter's confidence head; a lookup `Offer.rates` likewise). The
   engine supplies none yet: DSpark's head (`DSparkWalk.confidence()`) is known only after the block is drafted on
-  the device, so using it before the width is chosen would cost a second host sync per pass. Lookup keeps faded counts per match length (a short match is a
-  guess, a long one usually a copy in progress), each shrunk toward the pooled lookup counts, those toward a prior
-  that grows with the match length.
+  the device, so using it before the width is chosen would cost a second host sync per pass.
+  Lookup keeps faded counts per match length (a short match is a guess, a long one usually a copy in progress),
+  each shrunk toward the pooled lookup counts, those toward a prior that grows with the match length.
 - c_s(w): measured seconds per pass, from the time between the engine's syncs, per source (a lookup pass is a
   verify pass without the drafter's forward, so it is cheaper than a DFlash pass of the same width). Plain decoding
   (w = 1) is one cost shared by both. Lookup widths not yet measured are taken as the nearest measured one (or

@@ -3,7 +3,6 @@ plain passes mixed in one generation (greedy on every tiny family; sampling exac
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
 import tiny

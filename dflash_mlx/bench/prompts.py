@@ -113,7 +113,8 @@ def load_prompts(spec: str, num_prompts: Optional[int] = None) -> List[Prompt]:
         if path.is_dir():
             raise DFlashError(f"--prompts {spec} is a folder; give a .jsonl file")
         if not path.is_file():
-            raise DFlashError(f"--prompts {spec!r} is neither {' nor '.join([*PROMPT_SETS, 'editing'])} nor an existing "
+            names = " nor ".join([*PROMPT_SETS, "editing"])
+            raise DFlashError(f"--prompts {spec!r} is neither {names} nor an existing "
                               ".jsonl file")
         prompts = read_jsonl(path)
     if not prompts:

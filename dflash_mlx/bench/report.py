@@ -62,7 +62,8 @@ def summarize(methods, plain_name: str, records: List[dict], greedy: bool = True
     for m in methods:
         runs = [r["runs"][m.name] for r in records]
         tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)
-        stats = _stats([c for r in runs for c in r.cycles], [s for r in runs for s in (r.sources or [None] * len(r.cycles))])
+        stats = _stats([c for r in runs for c in r.cycles],
+                       [s for r in runs for s in (r.sources or [None] * len(r.cycles))])
         passes = sum(r.passes for r in runs)
         tps = tokens / seconds if seconds else 0.0
         identical = sum(_first_mismatch(r.tokens, rec["runs"][plain_name].tokens) is None
