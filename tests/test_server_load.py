@@ -46,9 +46,9 @@ def _wait_for_the_hang_up(generator):
     notices the hang-up still fails: the pause ends after a minute and the leaver runs on to its limit."""
     real_run = generator.run
 
-    def run(req, should_stop=lambda: False):
+    def run(req, should_stop=lambda: False, **options):
         texts = 0
-        for event in real_run(req, should_stop):
+        for event in real_run(req, should_stop, **options):
             yield event
             if req.max_tokens == LEAVER_TOKENS and isinstance(event, Delta) and event.text:
                 texts += 1
@@ -146,9 +146,9 @@ def test_max_queue_answers_503(pair):
     worker = app.state.server.worker
     gate, real_run = threading.Event(), worker.generator.run
 
-    def gated_run(req, should_stop=lambda: False):  # the first generation waits until the test opens the gate
+    def gated_run(req, should_stop=lambda: False, **options):  # the first generation waits for the gate
         gate.wait(timeout=120)
-        yield from real_run(req, should_stop)
+        yield from real_run(req, should_stop, **options)
 
     worker.generator.run = gated_run
     running = start_in_thread(app)
