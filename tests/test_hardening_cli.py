@@ -210,7 +210,7 @@ def test_bench_prompts_file_that_does_not_exist(pair, tmp_path, capsys):
 def test_bench_prompts_that_are_neither_a_set_nor_a_file(tmp_path):
     from dflash_mlx.bench.prompts import load_prompts
 
-    with pytest.raises(DFlashError, match="neither humaneval nor mtbench nor an existing .jsonl file"):
+    with pytest.raises(DFlashError, match="neither humaneval nor mtbench nor editing nor an existing .jsonl file"):
         load_prompts("humaneva")
     with pytest.raises(DFlashError, match="is a folder"):
         load_prompts(str(tmp_path))
