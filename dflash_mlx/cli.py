@@ -314,8 +314,8 @@ def bench(
                                 "continuation as draft (the ceiling of the machinery)."),
     random_draft: bool = typer.Option(False, "--random-draft", help="Also run a random-weight drafter of the "
                                       "--draft's shape, width chosen every pass (the floor)."),
-    prompts: str = typer.Option("humaneval", "--prompts", help="humaneval, mtbench, editing (answers that rewrite given "
-                                "code), or a .jsonl file with a 'prompt', 'text' or 'turns' field."),
+    prompts: str = typer.Option("humaneval", "--prompts", help="humaneval, mtbench, editing (answers that rewrite "
+                                "given code), or a .jsonl file with a 'prompt', 'text' or 'turns' field."),
     num_prompts: int = typer.Option(10, "--num-prompts", help="Prompts to run (the first N)."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per prompt (fewer at EOS)."),
     block_size: Optional[List[str]] = typer.Option(None, "--block-size", help="DFlash block sizes, repeated or "
