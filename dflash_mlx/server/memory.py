@@ -83,7 +83,9 @@ class MemoryKeeper:
             await asyncio.sleep(self.idle_s)  # idle for a whole period, not between two requests of a client
             if self._idle() and self.activity() == seen:
                 try:
-                    await asyncio.to_thread(release)
+                    # On the worker thread: MLX is driven from that one thread, and a buffer-cache release
+                    # beside a pass running on it corrupted that pass's buffers.
+                    await asyncio.wrap_future(self.worker.call_soon(release))
                 except Exception:  # never take the server down over housekeeping
                     logger.exception("releasing memory failed")
                 self.releases += 1

@@ -15,10 +15,11 @@ Outcome (finish_reason "cancelled"), and answers the waiting ones with a 503.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from .errors import APIError
 from .generation import GenerationRequest, Generator, Outcome
@@ -71,6 +72,20 @@ class Job:
                 raise ClientGone()
 
 
+class _Chore:
+    """A call to make on the worker thread (MLX housekeeping must not run beside a pass on another thread)."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn, self.done = fn, concurrent.futures.Future()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+            self.done.set_result(None)
+        except Exception as e:  # reported to whoever waits on it; the worker carries on
+            self.done.set_exception(e)
+
+
 class Worker:
     def __init__(self, generator: Generator, max_queue: int = 64, metrics=None):
         self.generator = generator
@@ -87,6 +102,12 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def call_soon(self, fn: Callable[[], None]) -> concurrent.futures.Future:
+        """Run `fn` on the worker thread between passes; the future settles when it has run."""
+        chore = _Chore(fn)
+        self._queue.put(chore)
+        return chore.done
 
     @property
     def max_running(self) -> int:
@@ -166,6 +187,9 @@ class Worker:
                 if job is None:
                     closing = True
                     break
+                if isinstance(job, _Chore):
+                    job.run()
+                    continue
                 events = self._start(job, batched=limit > 1)
                 if events is not None:
                     active.append((job, events))
