@@ -19,7 +19,7 @@ from dflash_mlx.train.data import PreparedData, chat_document, pack, record_mess
 from dflash_mlx.train.features import FeatureCache
 from dflash_mlx.train.trainer import TrainConfig, Trainer
 from dflash_mlx.train.vocab import head_rows, maps, select_vocab
-from tiny import VOCAB, make_drafter, target
+from tiny import VOCAB, build_target, make_drafter, target
 
 MASK = VOCAB - 1
 
@@ -375,7 +375,7 @@ def test_drafter_starts_with_the_targets_output_gain(kind):
 
     from cache_compare import build
 
-    model = target(kind) if kind == "qwen2" else build(kind)
+    model = build_target(kind) if kind == "qwen2" else build(kind)  # its own copy: the norm is changed below
     norm = TargetModel(model).inner.norm
     norm.weight = mx.random.uniform(0.5, 9.0, norm.weight.shape, key=mx.random.key(3))  # a trained-looking gain
     t = TargetModel(model)
