@@ -220,7 +220,7 @@ def serve(
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or x-api-key)."),
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Waiting requests beyond this get a 503."),
-    max_batch: int = typer.Option(8, "--max-batch", min=1, help="Requests decoded together, sharing each verify "
+    max_batch: int = typer.Option(1, "--max-batch", min=1, help="Requests decoded together, sharing each verify "
                                   "pass (1: one at a time)."),
     prompt_cache_bytes: str = typer.Option("2GiB", "--prompt-cache-bytes", help="Prefix cache budget: bytes, or "
                                            "with a K/M/G/KiB/MiB/GiB suffix; 0 turns the cache off."),
