@@ -33,13 +33,12 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .acceptance import Acceptor, GreedyAcceptor
-from .engine import CLEAR_CACHE_EVERY, Cycle, DecodeState, prefill
-from .errors import DFlashError
+from .engine import CLEAR_CACHE_EVERY, Cycle, DecodeState, prefill, resolve_options
 from .generation import Generation
 from .lookup import LookupIndex
 from .sources import DFLASH, LOOKUP, PLAIN, SourceChoice
 from .targets.ragged import ragged_forward
-from .width import FixedWidth, Width, WidthPolicy, coordinate
+from .width import Width, WidthPolicy, coordinate
 
 
 class SharedWidth:
@@ -103,26 +102,9 @@ class Batch:
                       ) -> Generator[Cycle, None, None]:
         """`engine.dflash_generate_step` for a member of this batch (same arguments and cycles)."""
         target, drafter = self.target, self.drafter
-        if sources is not None and lookup is None:
-            raise DFlashError("a draft-source choice needs a lookup index")
-        if sources is not None and block_size is None:
-            width = width or sources
-        elif drafter is None:
-            block_size = 1
-        if block_size is not None or width is None:
-            block_size = block_size or drafter.block_size
-            if block_size < 1:
-                raise DFlashError(f"block_size must be >= 1, got {block_size}")
-            width = FixedWidth(block_size)
-        if mask_token_id is None and drafter is not None:
-            mask_token_id = drafter.mask_token_id
-        if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1) \
-                and sources is None:
-            raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
-        state = state or DecodeState.fresh(target, drafter)
-        target.check_rollback_supported(state.target_cache)
-        limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
-        stops = set(int(t) for t in stop_tokens)
+        width, mask_token_id, state, limit, stops = resolve_options(
+            target, drafter, max_tokens=max_tokens, block_size=block_size, mask_token_id=mask_token_id,
+            stop_tokens=stop_tokens, state=state, width=width, lookup=lookup, sources=sources)
         acceptor = acceptor or GreedyAcceptor()
 
         # The prefill runs alone (between two passes of the others).

@@ -67,8 +67,12 @@ class DraftAttention(qwen3.Attention):
         ctx_k, ctx_v = cache.keys_and_values()
         # Context keys in a sliding window, block keys all or causal: see dflash_mlx.metal.block_attention.
         out = block_attention(q, k, v, ctx_k, ctx_v, scale=self.scale, window=self.sliding_window,
-                              causal=self.block_causal)
+                              causal=self.block_causal, sinks=self.sinks(q.dtype))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
+
+    def sinks(self, dtype: mx.Dtype) -> Optional[mx.array]:
+        """Per-head attention-sink logits joining every softmax denominator (none in DFlash heads)."""
+        return None
 
 
 class DraftLayer(nn.Module):

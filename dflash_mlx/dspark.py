@@ -29,7 +29,6 @@ from .drafter_families import DrafterFamily
 from .dspark_config import DSparkConfig, is_dspark
 from .dspark_layers import Gemma4DraftLayer
 from .errors import DFlashError
-from .metal.block_attention import block_attention
 
 
 class SinkDraftAttention(DraftAttention):
@@ -40,17 +39,8 @@ class SinkDraftAttention(DraftAttention):
         super().__init__(config, sliding)
         self.attention_sink_bias = mx.zeros((config.num_attention_heads,))
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        _, B, _ = x.shape
-        start = cache.offset
-        q = self.q_norm(self.q_proj(x).reshape(1, B, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(1, B, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(1, B, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = self.rope(q, offset=start), self.rope(k, offset=start)
-        ctx_k, ctx_v = cache.keys_and_values()
-        out = block_attention(q, k, v, ctx_k, ctx_v, scale=self.scale, window=self.sliding_window,
-                              causal=self.block_causal, sinks=self.attention_sink_bias.astype(q.dtype))
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
+    def sinks(self, dtype: mx.Dtype) -> mx.array:
+        return self.attention_sink_bias.astype(dtype)
 
 
 class MarkovHead(nn.Module):

@@ -164,6 +164,32 @@ def _accept(values: List[int], width: int, stops: set) -> Tuple[List[int], int]:
     return (tokens if stop_at is None else tokens[: stop_at + 1]), acc
 
 
+def resolve_options(target: TargetModel, drafter: Optional[Drafter], *, max_tokens, block_size, mask_token_id,
+                    stop_tokens, state, width, lookup, sources):
+    """The loop's settings from `dflash_generate_step`'s arguments (see there), checked: (width choice, mask id,
+    state, token limit, stop set). Shared with the batched loop (`batching.py`)."""
+    if sources is not None and lookup is None:
+        raise DFlashError("a draft-source choice needs a lookup index")
+    if sources is not None and block_size is None:
+        width = width or sources
+    elif drafter is None:
+        block_size = 1
+    if block_size is not None or width is None:
+        block_size = block_size or drafter.block_size
+        if block_size < 1:
+            raise DFlashError(f"block_size must be >= 1, got {block_size}")
+        width = FixedWidth(block_size)
+    if mask_token_id is None and drafter is not None:
+        mask_token_id = drafter.mask_token_id
+    if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1) and sources is None:
+        raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
+    state = state or DecodeState.fresh(target, drafter)
+    target.check_rollback_supported(state.target_cache)
+    limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
+    stops = set(int(t) for t in stop_tokens)
+    return width, mask_token_id, state, limit, stops
+
+
 def dflash_generate_step(
     prompt: mx.array,
     target: TargetModel,
@@ -208,25 +234,9 @@ def dflash_generate_step(
     Yields:
         Cycle: the tokens each verify pass commits, in order.
     """
-    if sources is not None and lookup is None:
-        raise DFlashError("a draft-source choice needs a lookup index")
-    if sources is not None and block_size is None:
-        width = width or sources
-    elif drafter is None:
-        block_size = 1
-    if block_size is not None or width is None:
-        block_size = block_size or drafter.block_size
-        if block_size < 1:
-            raise DFlashError(f"block_size must be >= 1, got {block_size}")
-        width = FixedWidth(block_size)
-    if mask_token_id is None and drafter is not None:
-        mask_token_id = drafter.mask_token_id
-    if drafter is not None and mask_token_id is None and (block_size is None or block_size > 1) and sources is None:
-        raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
-    state = state or DecodeState.fresh(target, drafter)
-    target.check_rollback_supported(state.target_cache)
-    limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
-    stops = set(int(t) for t in stop_tokens)
+    width, mask_token_id, state, limit, stops = resolve_options(
+        target, drafter, max_tokens=max_tokens, block_size=block_size, mask_token_id=mask_token_id,
+        stop_tokens=stop_tokens, state=state, width=width, lookup=lookup, sources=sources)
     acceptor = acceptor or GreedyAcceptor()
     mark = profiler.mark if profiler is not None else (lambda phase, *arrays: None)
 
