@@ -70,6 +70,7 @@ class _Member:
         self.emitted = emitted
         self.wants = True  # wants another cycle
         self.ready: Optional[Cycle] = None  # a cycle computed by a pass, not yet yielded
+        self.undo = None  # what `Batch._withdraw` needs to take `ready` back out of the caches
         self.error: Optional[BaseException] = None
         # This pass's launch: width, draft, draft logits, features flushed into the draft cache, packed result.
         self.w, self.source, self.draft, self.draft_logits, self.flushed = 1, PLAIN, None, None, None
@@ -136,6 +137,10 @@ class Batch:
                 yield cycle
         finally:
             self.members.remove(member)
+            if member.ready is not None and member.error is None:
+                # Closed with a pass it never yielded (the others' pass ran for it too): the caches must hold
+                # exactly the tokens the caller saw, as the engine's are when it is closed with a queued cycle.
+                self._withdraw(member)
 
     # -- one pass for every member that wants one ------------------------------------------------------------------
     def run_pass(self) -> None:
@@ -204,6 +209,7 @@ class Batch:
             tokens = tokens[: stop_at + 1]
         m.width.record(w, acc, seconds)
         keep = len(tokens)
+        m.undo = (keep, m.flushed, m.state.last_token)
         self.target.rollback(m.state.target_cache, w - keep)
         m.state.commit(m.hidden[:, :keep] if self.drafter is not None else None, tokens[-1])
         m.acceptor.observe(tokens)
@@ -213,6 +219,23 @@ class Batch:
         m.ready = Cycle(tokens, acc, w, logits=m.logits[:keep], source=m.source)
         m.wants = tokens[-1] not in m.stops and m.emitted < m.limit
         m.packed = m.hidden = m.logits = m.draft_logits = m.flushed = None
+
+
+    def _withdraw(self, m: _Member) -> None:
+        """Take the member's computed, unyielded cycle out of its caches (it committed `keep` tokens of the newest
+        verify write, which the target can still drop; its draft took the features `flushed`)."""
+        keep, flushed, last_token = m.undo
+        state = m.state
+        self.target.rollback(state.target_cache, keep)
+        if self.drafter is not None:
+            if flushed is not None:  # the features before the pass were moved into the draft cache
+                self.drafter.rollback(state.draft_cache, flushed.shape[1])
+                state.pending_context = flushed
+            else:  # a lookup or plain pass: its features were only appended to the waiting ones
+                waiting = state.pending_context
+                state.pending_context = waiting[:, :-keep] if waiting.shape[1] > keep else None
+        state.last_token = last_token
+        m.ready = m.undo = None
 
 
 class BatchedGeneration(Generation):

@@ -220,7 +220,7 @@ def serve(
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or x-api-key)."),
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Waiting requests beyond this get a 503."),
-    max_batch: int = typer.Option(1, "--max-batch", min=1, help="Requests decoded together, sharing each verify "
+    max_batch: int = typer.Option(8, "--max-batch", min=1, help="Requests decoded together, sharing each verify "
                                   "pass (1: one at a time)."),
     prompt_cache_bytes: str = typer.Option("2GiB", "--prompt-cache-bytes", help="Prefix cache budget: bytes, or "
                                            "with a K/M/G/KiB/MiB/GiB suffix; 0 turns the cache off."),
@@ -337,6 +337,8 @@ def bench(
                                      "fixed --block-size (the oracle always is)."),
     no_lookup: bool = typer.Option(False, "--no-lookup", help="Skip the lookup methods (DFlash with drafts copied "
                                    "from the context, and lookup alone)."),
+    drafter_alone: bool = typer.Option(True, "--drafter-alone/--no-drafter-alone", help="Also run the drafter "
+                                       "without lookup drafts (--no-drafter-alone: only with them, a shorter run)."),
     distributed: bool = typer.Option(False, "--distributed", help="Under mlx.launch: split the target over the "
                                      "ranks and add per-pass communication bytes and time to the report."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
@@ -356,7 +358,7 @@ def bench(
         out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
         profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline,
-        lookup=not no_lookup)
+        lookup=not no_lookup, drafter_alone=drafter_alone)
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

@@ -171,3 +171,39 @@ def test_seeded_sampling_batch_equals_alone():
         out = drive(gens, join_after={2: 1})
         assert [out[i] for i in range(3)] == alone
         assert alone != greedy_refs  # really sampled
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_a_request_closed_with_an_unyielded_pass_keeps_exact_caches(kind):
+    """A member whose next pass was run by a neighbour but never yielded (the server's hang-up between two rounds)
+    is closed: its caches hold exactly the tokens it yielded, so a later turn on them (the prefix cache) is exact."""
+    from dflash_mlx.engine import DecodeState
+    from tiny import greedy
+
+    model = _hybrid() if kind == "qwen3_5" else target(kind)
+    drafter, t = make_drafter(model, block_size=4)
+    prompts = [prompt_ids(n, seed=n) for n in (9, 6)]
+    refs = [greedy(model, p, 24) for p in prompts]
+    for d in (KeyedOracle([p + r for p, r in zip(prompts, refs)]), drafter):
+        for lookup in (None, False):
+            batch = Batch(t, d)
+            state = DecodeState.fresh(t, d)
+            leaver = BatchedGeneration(batch, prompts[0], max_tokens=24, state=state, lookup=lookup)
+            other = BatchedGeneration(batch, prompts[1], max_tokens=24, lookup=lookup)
+            a, b = iter(leaver), iter(other)
+            seen = list(next(a).tokens)  # prefills
+            next(b)
+            seen += next(a).tokens  # pass 1, run for both
+            next(b)
+            next(b)  # pass 2, run for both: the leaver's is computed, not yielded
+            assert batch.members[0].ready is not None
+            leaver.close()
+            assert seen == refs[0][: len(seen)]
+            assert state.last_token == seen[-1]
+            assert all(c.offset == len(prompts[0]) + len(seen) - 1 for c in state.target_cache if hasattr(c, "offset"))
+            # The next turn continues exactly the tokens seen.
+            more = prompt_ids(3, seed=99)
+            after = [tok for p in Generation(t, d, more, max_tokens=6, state=state) for tok in p.tokens]
+            assert after == greedy(model, prompts[0] + seen + more, 6)
+            other.close()
+            assert not batch.members

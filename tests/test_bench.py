@@ -171,6 +171,15 @@ def test_no_fixed_draft_and_profile_prompts(pair, prompts_file, tmp_path):
     assert [bool(p["runs"]["dflash adaptive"].get("phases_s")) for p in data["prompts"]] == [True, False]
 
 
+def test_no_drafter_alone_keeps_the_lookup_methods(pair, prompts_file, tmp_path):
+    code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompts", str(prompts_file),
+                 "--num-prompts", "1", "--max-tokens", "4", "--no-profile", "--no-fixed-draft", "--verify-prompts", "0",
+                 "--no-drafter-alone", "--out", str(tmp_path)])
+    assert code == 0
+    assert [m["name"] for m in json.loads((tmp_path / "bench.json").read_text())["methods"]] == [
+        "mlx-lm", "dflash+lookup adaptive", "lookup adaptive"]
+
+
 def test_sampled_bench_is_reproducible_with_a_seed(pair, prompts_file, tmp_path):
     """`bench --temp 0.7 --seed 1` twice: every method's output is the same token for token. Sampled DFlash output
     depends on the verify widths, so the adaptive method must choose them from acceptance alone, not the clock."""

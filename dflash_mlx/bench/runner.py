@@ -40,6 +40,7 @@ class BenchConfig:
     block_sizes: List[int] = field(default_factory=list)  # empty: the drafter's (16 for the oracle alone)
     adaptive: bool = True  # also run DFlash (and the oracle) with the width chosen every cycle, up to the widest
     lookup: bool = True  # also run DFlash with lookup drafting (adaptive) and lookup drafting alone
+    drafter_alone: bool = True  # run the drafter without lookup drafts too (adaptive)
     fixed_draft: bool = True  # run the drafter at each fixed block size too (the oracle always is)
     random_draft: bool = False  # also run a drafter of the same shape with random weights (adaptive only)
     num_draft_tokens: List[int] = field(default_factory=lambda: [3])
@@ -127,7 +128,8 @@ def _build_methods(cfg: BenchConfig, model):
         target = prepare(model, drafter, probe=True)
         drafter = ranks.drafter_for(model, drafter)  # a pipeline's stages share their taps with it
         if cfg.adaptive:
-            others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
+            if cfg.drafter_alone or not cfg.lookup:
+                others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
             if cfg.lookup:
                 others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True, lookup=True))
         if cfg.fixed_draft:

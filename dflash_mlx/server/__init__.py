@@ -181,7 +181,7 @@ def parse_bytes(text: str) -> int:
 def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str], max_queue: int,
                       prompt_cache_bytes: str, block_size: Optional[int], max_tokens: int, temp: float,
                       chat_template_args: Optional[str],
-                      served_model_name: Union[None, str, List[str]], max_batch: int = 1) -> ServerSettings:
+                      served_model_name: Union[None, str, List[str]], max_batch: int = 8) -> ServerSettings:
     """The `dflash-mlx serve` options as settings, every one checked before any model is loaded.
     `served_model_name` may be several names (the flag repeated): the first is the one the server reports."""
     template_args = None

@@ -48,7 +48,7 @@ class ServerSettings:
     drafter_name: Optional[str] = None
     api_key: Optional[str] = None
     max_queue: int = 64
-    max_batch: int = 1  # requests whose verify passes are batched together (1: one at a time)
+    max_batch: int = 8  # requests whose verify passes are batched together (1: one at a time)
     prompt_cache_bytes: int = 2 << 30
     block_size: Optional[int] = None
     default_max_tokens: int = 512
