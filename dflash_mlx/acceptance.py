@@ -14,6 +14,7 @@ Protocol (all arrays lazy):
     propose_walk(walk, anchor) -> draft [B-1]   drafts whose row i depends on draft i-1 (see `DraftWalk`)
     propose_tokens(draft [B-1]) -> draft [B-1]  drafts fixed in advance (copied from the context): a point-mass
                                          proposal q = one-hot(draft[i]), accepted with probability p(draft[i])
+    truncate(draft, n) -> draft [n]      the first n drafts of the proposal just made (the rest are not verified)
     verify(draft, draft_logits, target_logits [B, V]) -> (acc, fix [B])
 Row i of the target's logits predicts the token after block[i], so draft[i] (block slot i+1) is judged by row i.
 After `propose_walk` or `propose_tokens`, `verify` gets `draft_logits=None`: the acceptor kept the rows each draft
@@ -66,6 +67,8 @@ class Acceptor(Protocol):
 
     def propose_tokens(self, draft: mx.array) -> mx.array: ...
 
+    def truncate(self, draft: mx.array, n: int) -> mx.array: ...
+
     def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
                target_logits: mx.array) -> Tuple[mx.array, mx.array]: ...
 
@@ -91,6 +94,9 @@ class GreedyAcceptor:
     def propose_tokens(self, draft: mx.array) -> mx.array:
         """Fixed drafts [n] (copied from the context): kept while they equal the target's argmax."""
         return draft
+
+    def truncate(self, draft: mx.array, n: int) -> mx.array:
+        return draft[:n]
 
     def verify(self, draft: mx.array, draft_logits: mx.array, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
         """draft [B-1], draft_logits [B-1, V], target_logits [B, V] -> (acc scalar, fix [B])."""
@@ -198,6 +204,15 @@ class SamplingAcceptor(_History):
         self._proposed = (draft, None)  # verify builds the one-hot log q once it knows the vocabulary size
         return draft
 
+    def truncate(self, draft: mx.array, n: int) -> mx.array:
+        """The first n drafts of the proposal just made, with their rows: verify divides by those alone. Cutting
+        the block short is exact when whether slot i is verified depends only on drafts before it."""
+        kept = draft[:n]
+        if self._proposed is not None and self._proposed[0] is draft:
+            rows = self._proposed[1]
+            self._proposed = (kept, rows[:n] if rows is not None else None)
+        return kept
+
     def _logq(self, draft: mx.array, draft_logits: mx.array, vocab_size: int) -> mx.array:
         if self._proposed is not None and self._proposed[0] is draft:
             if self._proposed[1] is None:  # a point mass on each draft token (`propose_tokens`)
@@ -282,6 +297,9 @@ class MatchAcceptor(_History):
     def propose_tokens(self, draft: mx.array) -> mx.array:
         """Fixed drafts [n]: kept while the target's own samples equal them."""
         return draft
+
+    def truncate(self, draft: mx.array, n: int) -> mx.array:
+        return draft[:n]
 
     def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
                target_logits: mx.array) -> Tuple[mx.array, mx.array]:

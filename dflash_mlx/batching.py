@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .acceptance import Acceptor, GreedyAcceptor
-from .engine import CLEAR_CACHE_EVERY, Cycle, DecodeState, prefill, resolve_options
+from .engine import CLEAR_CACHE_EVERY, Cycle, DecodeState, cutting_policy, draft_block, prefill, resolve_options
 from .generation import Generation
 from .lookup import LookupIndex
 from .sources import DFLASH, LOOKUP, PLAIN, SourceChoice
@@ -188,16 +188,9 @@ class Batch:
             return
         if w <= 1:
             return
-        drafter, state, acceptor = self.drafter, m.state, m.acceptor
-        m.flushed = state.flush_context(drafter)
-        block_ids = mx.array([[state.last_token] + [m.mask_token_id] * (w - 1)], dtype=mx.int32)
-        if hasattr(drafter, "draft_walk"):
-            m.draft = acceptor.propose_walk(drafter.draft_walk(block_ids, state.draft_cache), state.last_token)
-        elif isinstance(acceptor, GreedyAcceptor) and hasattr(drafter, "greedy_draft"):
-            m.draft = drafter.greedy_draft(block_ids, state.draft_cache)[0]
-        else:
-            m.draft_logits = drafter(block_ids, state.draft_cache)[0]
-            m.draft = acceptor.propose(m.draft_logits)
+        policy = cutting_policy(m.width.policy if isinstance(m.width, SharedWidth) else m.width)
+        m.w, m.draft, m.draft_logits, m.flushed = draft_block(self.drafter, m.acceptor, m.state, w, m.mask_token_id,
+                                                              policy)
 
     def _finish(self, m: _Member, values: List[int], seconds: float) -> None:
         """Accept, roll back to the kept prefix and commit, as the engine does after its sync."""

@@ -196,6 +196,11 @@ class DSparkDrafter(DFlashDrafter):
         ids = ids.astype(mx.int32)
         return ids + self.d2t[ids] if self.config.draft_vocab_size else ids
 
+    @property
+    def has_confidence(self) -> bool:
+        """Whether the checkpoint has the confidence head (the engine then lets the width policy cut blocks)."""
+        return "confidence_head" in self
+
     def draft_walk(self, block_ids: mx.array, cache: List[KVCache]) -> DSparkWalk:
         """The block's proposal as a walk (what the engine's acceptors draw from)."""
         h = self.slot_hidden(block_ids, cache)

@@ -15,6 +15,10 @@ few hundred cycles (both matter on Apple GPUs and cost nothing on the CPU backen
 Verify width: `block_size` fixes it; a `width` policy (`width.WidthPolicy`) chooses it before every cycle from the
 time between consecutive syncs and the acceptance seen so far. Any sequence of widths commits the same tokens.
 
+Confidence heads (DSpark): with an adaptive width, a drafter whose walk estimates each slot's acceptance drafts
+the block the policy chose and the policy cuts it slot by slot on those estimates (`draft_block`); reading them
+is one extra host sync per cycle, made only for such drafters.
+
 Draft source: with a `lookup` index (`lookup.LookupIndex`) and a `sources` choice (`sources.SourceChoice`), each
 cycle's draft is either the drafter's block, a continuation copied from the context, or nothing (plain decoding),
 chosen with the width. The lookup runs on the host when the cycle is launched; that is right after the previous
@@ -37,7 +41,7 @@ from .errors import DFlashError
 from .lookup import LookupIndex
 from .sources import DFLASH, LOOKUP, PLAIN, SourceChoice
 from .targets import TargetModel
-from .width import FixedWidth, Width
+from .width import FixedWidth, Width, WidthPolicy
 
 CLEAR_CACHE_EVERY = 256  # cycles between releases of MLX's buffer cache, as mlx-lm's decode loop does
 
@@ -57,7 +61,9 @@ class Drafter(Protocol):
     def __call__(self, block_ids: mx.array, cache: List[Any]) -> mx.array: ...
 
     # Optional: `draft_walk(block_ids, cache) -> acceptance.DraftWalk` for drafters whose slot i depends on the
-    # token drafted at slot i-1; the engine then has the acceptor walk it instead of calling the drafter.
+    # token drafted at slot i-1; the engine then has the acceptor walk it instead of calling the drafter. A walk
+    # with `has_confidence` also estimates each slot's acceptance (`walk.confidence()`): an adaptive width policy
+    # then cuts the block it chose where those estimates say (`WidthPolicy.truncate`).
 
 
 @dataclass
@@ -162,6 +168,40 @@ def _accept(values: List[int], width: int, stops: set) -> Tuple[List[int], int]:
     tokens = values[1 + width : 1 + width + acc] + [choice[acc]]
     stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
     return (tokens if stop_at is None else tokens[: stop_at + 1]), acc
+
+
+def cutting_policy(width: Any) -> Optional[WidthPolicy]:
+    """The adaptive width policy behind a width choice, which may cut a confident block short (None: the width
+    is fixed, or coordinated with other ranks, which must all choose alike)."""
+    if isinstance(width, SourceChoice):
+        width = width.dflash
+    return width if isinstance(width, WidthPolicy) else None
+
+
+def draft_block(drafter: Drafter, acceptor: Acceptor, state: DecodeState, width: int, mask_token_id: int,
+                policy: Optional[WidthPolicy] = None) -> Tuple[int, mx.array, Optional[mx.array], Optional[mx.array]]:
+    """Draft one block of `width` tokens (the anchor and width-1 drafts): (width, draft [width-1], draft logits
+    or None, features moved into the draft cache). With a `policy`, a drafter whose walk has a confidence head
+    has the block cut where its estimates say, so the width returned may be narrower (one host sync for them)."""
+    flushed = state.flush_context(drafter)
+    walk_drafter = hasattr(drafter, "draft_walk")
+    confident = walk_drafter and policy is not None and bool(getattr(drafter, "has_confidence", False))
+    block_ids = mx.array([[state.last_token] + [mask_token_id] * (width - 1)], dtype=mx.int32)
+    draft_logits = None
+    if walk_drafter:
+        # Slot i's proposal depends on draft i-1 (DSpark, DFlash 2): the acceptor walks the slots.
+        walk = drafter.draft_walk(block_ids, state.draft_cache)
+        draft = acceptor.propose_walk(walk, state.last_token)
+        if confident:
+            width = policy.truncate(walk.confidence().tolist(), width)
+            draft = acceptor.truncate(draft, width - 1)
+    elif isinstance(acceptor, GreedyAcceptor) and hasattr(drafter, "greedy_draft"):
+        # Greedy needs only the argmax: skip the drafter's full-vocabulary logits.
+        draft = drafter.greedy_draft(block_ids, state.draft_cache)[0]
+    else:
+        draft_logits = drafter(block_ids, state.draft_cache)[0]
+        draft = acceptor.propose(draft_logits)
+    return width, draft, draft_logits, flushed
 
 
 def resolve_options(target: TargetModel, drafter: Optional[Drafter], *, max_tokens, block_size, mask_token_id,
@@ -275,17 +315,8 @@ def dflash_generate_step(
                 draft = acceptor.propose_tokens(mx.array(copied, dtype=mx.int32))
                 mark("draft", draft)
             elif w > 1:
-                flushed = state.flush_context(drafter)
-                block_ids = mx.array([[state.last_token] + [mask_token_id] * (w - 1)], dtype=mx.int32)
-                if hasattr(drafter, "draft_walk"):
-                    # Slot i's proposal depends on draft i-1 (DSpark, DFlash 2): the acceptor walks the slots.
-                    draft = acceptor.propose_walk(drafter.draft_walk(block_ids, state.draft_cache), state.last_token)
-                elif isinstance(acceptor, GreedyAcceptor) and hasattr(drafter, "greedy_draft"):
-                    # Greedy needs only the argmax: skip the drafter's full-vocabulary logits.
-                    draft = drafter.greedy_draft(block_ids, state.draft_cache)[0]
-                else:
-                    draft_logits = drafter(block_ids, state.draft_cache)[0]
-                    draft = acceptor.propose(draft_logits)
+                w, draft, draft_logits, flushed = draft_block(drafter, acceptor, state, w, mask_token_id,
+                                                              cutting_policy(width))
                 mark("draft", draft)
             logits, hidden = target(mx.concatenate([head, draft[None]], axis=1), state.target_cache)
             acc, choice = acceptor.verify(draft, draft_logits, logits[0])

@@ -7,9 +7,9 @@ a DFlash block. For each source s and width w it estimates the rate E_s(w) / c_s
 
 - E_s(w) = 1 + sum_{i<w} prod_{j<=i} a_j, from per-slot acceptance a_j (slot j accepted given 1..j-1 were). The
   DFlash source keeps `WidthPolicy`'s own estimates, unless per-slot probabilities are supplied for the pass
-  (`offer(..., dflash_rates=)`, the hook for a drafter's confidence head; a lookup `Offer.rates` likewise). The
-  engine supplies none yet: DSpark's head (`DSparkWalk.confidence()`) is known only after the block is drafted on
-  the device, so using it before the width is chosen would cost a second host sync per pass.
+  (`offer(..., dflash_rates=)`; a lookup `Offer.rates` likewise). A drafter's confidence head (DSpark's
+  `DSparkWalk.confidence()`) is known only after its block is drafted, so it acts then instead: the DFlash width
+  policy cuts the drafted block on it (`WidthPolicy.truncate`, called from `engine.draft_block`).
   Lookup keeps faded counts per match length (a short match is a guess, a long one usually a copy in progress),
   each shrunk toward the pooled lookup counts, those toward a prior that grows with the match length.
 - c_s(w): measured seconds per pass, from the time between the engine's syncs, per source (a lookup pass is a

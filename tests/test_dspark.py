@@ -30,6 +30,7 @@ from dflash_mlx.errors import DFlashError
 from dflash_mlx.loading import load_target, prepare
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.targets import TargetModel
+from dflash_mlx.width import WidthPolicy, nominal_cost
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import make_dspark  # noqa: E402
@@ -213,6 +214,72 @@ def test_sampling_with_the_markov_walk_is_exact():
         accepted += sum(c.accepted for c in cycles)
     assert chi2_pvalue(joint_counts(np.array(seqs), E2E_VOCAB), exact_target_joint(model, PROMPT, params)) > ALPHA
     assert accepted > 40
+
+
+class _AlwaysDraft(WidthPolicy):
+    """An adaptive policy that always asks for the widest block (so every pass drafts and the head cuts it), its
+    pass costs measured up front (nominal ones) and every cut it makes kept in `cuts`."""
+
+    def __init__(self, max_width):
+        super().__init__(max_width, cost=nominal_cost)
+        for w in range(1, max_width + 1):
+            self.record(w, w - 1, 0.0)
+        self.cuts = []
+
+    def choose(self) -> int:
+        return self.max_width
+
+    def truncate(self, confidence, widest):
+        self.cuts.append((list(confidence), widest, super().truncate(confidence, widest)))
+        return self.cuts[-1][-1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_tied"])
+def test_confidence_cut_is_lossless_and_follows_the_head(kind):
+    """With an adaptive width, a drafter with a confidence head drafts its widest block and the policy cuts it on
+    the head's estimates: each pass's width is the policy's cut of that pass's estimates; output is plain greedy."""
+    model = tiny.target(kind)
+    drafter, _ = _random_dspark(model, 7, 0)
+    recording = _RecordingDSpark(drafter.config)
+    recording.update(drafter.parameters())
+    recording.walks = []
+    t = prepare(model, recording)
+    prompt = tiny.prompt_ids(10, seed=4)
+    policy = _AlwaysDraft(8)
+    tokens, cycles = tiny.run_dflash(prompt, t, recording, max_tokens=40, width=policy)
+    assert tokens == tiny.reference(kind, prompt, 40)
+    passes = [c for c in cycles if c.source == "dflash"]
+    assert len(passes) == len(recording.walks) == len(policy.cuts) and recording.walks[0].length == 7
+    for cycle, walk, (conf, drafted, cut) in zip(passes, recording.walks, policy.cuts):
+        assert drafted == walk.length + 1 and cycle.width == cut
+        np.testing.assert_allclose(conf, np.array(walk.confidence()), rtol=1e-6)
+    assert len({c.width for c in passes}) >= 3  # the cut really moves
+
+
+def test_sampling_with_the_confidence_cut_is_exact():
+    """chi-square: blocks cut on a confidence head that depends strongly on the previous draft stay exact."""
+    from test_sampling import ALPHA, E2E_VOCAB, PROMPT, chi2_pvalue, exact_target_joint, joint_counts
+
+    model = tiny.build_target("llama", seed=3, num_hidden_layers=1, vocab_size=E2E_VOCAB)
+    cfg = DSparkConfig(hidden_size=tiny.HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, intermediate_size=96, vocab_size=E2E_VOCAB, rope_theta=10000.0,
+                       target_layer_ids=[0], mask_token_id=E2E_VOCAB - 1, dspark_block=3, logits_start=0,
+                       block_size=4, markov_rank=E2E_VOCAB, enable_confidence_head=True)
+    drafter = tiny.randomize(DSparkDrafter(cfg), 5)
+    drafter.markov_head.markov_w1.weight = mx.eye(E2E_VOCAB) * 3.0
+    # The head's estimate swings with the previous draft: a cut that looked at a slot's own draft would bias it.
+    head = drafter.confidence_head.proj
+    head.weight = mx.concatenate([mx.zeros((1, tiny.HIDDEN)), mx.array(np.linspace(-6, 6, E2E_VOCAB))[None]], axis=1)
+    t = TargetModel(model, cfg.target_layer_ids)
+    params = SamplingParams(temp=1.0)
+    seqs, widths = [], set()
+    for seed in range(400):
+        tokens, cycles = tiny.run_dflash(PROMPT, t, drafter, max_tokens=4, acceptor=SamplingAcceptor(params, seed=seed),
+                                         width=_AlwaysDraft(4))
+        seqs.append(tokens[:3])
+        widths.add(cycles[1].width)  # the pass that decides tokens 2 and 3: cut after one draft, or not
+    assert widths == {2, 3}
+    assert chi2_pvalue(joint_counts(np.array(seqs), E2E_VOCAB), exact_target_joint(model, PROMPT, params)) > ALPHA
 
 
 # -- conversion and loading -------------------------------------------------------------------------------------------

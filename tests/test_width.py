@@ -187,3 +187,36 @@ def test_fixed_width():
     w = FixedWidth(3)
     w.record(3, 1, 0.1)
     assert w.choose() == 3
+
+
+def _measured(max_width):
+    policy = WidthPolicy(max_width, cost=nominal_cost)
+    for w in range(1, max_width + 1):
+        policy.record(w, w - 1, 0.0)
+    return policy
+
+
+def test_confidence_cut_follows_the_estimates():
+    """`truncate`: estimates that stay high keep the widest block; one that drops cuts the block before its slot."""
+    policy = _measured(8)
+    assert policy.truncate([0.95] * 7, 8) == 8
+    assert policy.truncate([0.95, 0.95, 0.02, 0.95, 0.95, 0.95, 0.95], 8) == 3
+    assert policy.truncate([0.01] * 7, 8) == 2  # the first draft is always verified: it was paid for
+    assert policy.truncate([0.95] * 7, 5) == 5  # never wider than the block drafted
+    assert _measured(8).truncate([0.9] * 3, 8) == 4  # nor than the estimates given
+
+
+def test_confidence_cut_is_a_stopping_time():
+    """Whether slot i is verified depends on the head's estimates up to slot i only (slot i's estimate depends on
+    the drafts before it, never its own): changing every estimate after the cut never changes the cut. That is what
+    keeps sampling exact."""
+    policy, rng = _measured(8), random.Random(0)
+    widths = set()
+    for _ in range(300):
+        conf = [rng.random() for _ in range(7)]
+        w = policy.truncate(conf, 8)
+        widths.add(w)
+        for _ in range(3):
+            other = conf[:w] + [rng.random() for _ in range(7 - w)]
+            assert policy.truncate(other, 8) == w
+    assert len(widths) >= 4
