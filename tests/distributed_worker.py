@@ -102,6 +102,15 @@ def steered_drafter(drafter_dir: str, spec: Dict[str, Any]) -> SteeredDFlashDraf
     return drafter.steer(spec["sequence"], corrupt_every(3))
 
 
+def job_drafter(drafter_dir: str, spec: Dict[str, Any]):
+    """The job's drafter: a saved DSpark drafter as it is (spec family "dspark"), else the steered DFlash one."""
+    if spec.get("family") == "dspark":
+        from dflash_mlx.drafter_io import load_drafter
+
+        return load_drafter(drafter_dir)
+    return steered_drafter(drafter_dir, spec)
+
+
 def run_scenarios(model, drafter, spec: Dict[str, Any]) -> Dict[str, Any]:
     """Greedy and seeded-sampling token streams, and the early-stop cache check, on this process's target."""
     target = prepare(model, drafter)
@@ -145,7 +154,7 @@ def main(argv: List[str]) -> int:
     for job in json.loads(argv[0]):
         pipeline = job["mode"] == "pipeline"
         model = load_sharded_model(job["target"], group, pipeline=pipeline)
-        drafter = steered_drafter(job["drafter"], job["spec"])
+        drafter = job_drafter(job["drafter"], job["spec"])
         if pipeline:
             prepare(model, drafter)  # binds the drafter to this rank's embedding and head
             drafter = FeatureExchange(drafter)

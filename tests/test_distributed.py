@@ -59,13 +59,41 @@ def _save_pair(root: Path, kind: str):
     return target_dir, drafter_dir, spec
 
 
-JOBS = [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")]
+def _save_dspark(root: Path, target_dir: Path, spec: dict):
+    """A DSpark drafter (Markov walk, confidence head) for the llama target, its Markov head following the target's
+    greedy bigrams so drafts are accepted."""
+    import numpy as np
+    from dflash_mlx.dspark import DSparkDrafter
+    from dflash_mlx.dspark_config import DSparkConfig
+    from tiny import num_layers, randomize as randomize_module
+
+    model, _ = load_model(target_dir)
+    V, n = model.args.vocab_size, num_layers(model)
+    cfg = DSparkConfig(hidden_size=model.args.hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=V, rope_theta=10000.0,
+                       target_layer_ids=sorted({min(1, n - 1), n - 1}), mask_token_id=V - 1,
+                       dspark_block=SPEC["block_size"] - 1, logits_start=0, block_size=SPEC["block_size"],
+                       markov_rank=V, enable_confidence_head=True)
+    drafter = randomize_module(DSparkDrafter(cfg), 4)
+    w2 = np.zeros((V, V), dtype=np.float32)
+    seq = spec["sequence"]
+    for a, b in zip(seq, seq[1:]):
+        if not w2[:, a].any():  # the first successor seen wins
+            w2[b, a] = 12.0
+    drafter.markov_head.markov_w1.weight = mx.eye(V)
+    drafter.markov_head.markov_w2.weight = mx.array(w2)
+    return target_dir, save_drafter(drafter, root / "llama-dspark" / "drafter"), dict(spec, family="dspark")
+
+
+JOBS = [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline"), ("llama-dspark", "tensor")]
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
-    return {kind: _save_pair(root, kind) for kind in ("llama", "qwen3_5")}
+    pairs = {kind: _save_pair(root, kind) for kind in ("llama", "qwen3_5")}
+    pairs["llama-dspark"] = _save_dspark(root, pairs["llama"][0], pairs["llama"][2])
+    return pairs
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +112,10 @@ def ranks(pairs):
 
 
 def _single_process(target_dir: Path, drafter_dir: Path, spec: dict) -> dict:
-    from distributed_worker import run_scenarios, steered_drafter
+    from distributed_worker import job_drafter, run_scenarios
 
     model, _ = load_model(target_dir)
-    drafter = steered_drafter(str(drafter_dir), spec)
+    drafter = job_drafter(str(drafter_dir), spec)
     prepare(model, drafter)
     return run_scenarios(model, drafter, spec)
 
