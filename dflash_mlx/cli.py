@@ -224,6 +224,11 @@ def serve(
                                   "pass (1: one at a time)."),
     prompt_cache_bytes: str = typer.Option("2GiB", "--prompt-cache-bytes", help="Prefix cache budget: bytes, or "
                                            "with a K/M/G/KiB/MiB/GiB suffix; 0 turns the cache off."),
+    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="Keep prefix-cache entries "
+                                                   "on disk here (those evicted, and all at shutdown), so a restart "
+                                                   "keeps long system prompts warm; created if missing."),
+    prompt_cache_dir_bytes: str = typer.Option("16GiB", "--prompt-cache-dir-bytes", help="Disk budget of "
+                                               "--prompt-cache-dir: its least recently used entries go beyond it."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Fix the verify width (default: chosen "
                                              "every pass; 1 = plain decoding)."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="max_tokens of requests that set none."),

@@ -179,5 +179,8 @@ def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], ho
                    pipeline: bool = False, **options) -> None:
     """`dflash-mlx serve` under `mlx.launch` (or with --pipeline): the options checked as for one process, then
     `serve_ranks`."""
+    if options.get("prompt_cache_dir"):
+        raise DFlashError("--prompt-cache-dir is not supported when the target is split over ranks (every rank "
+                          "must restore the same caches); serve without it")
     settings = settings_from_cli(model=model, draft=draft, **options)
     serve_ranks(model, draft, host=host, port=port, quant=quant, settings=settings, pipeline=pipeline)

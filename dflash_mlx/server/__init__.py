@@ -166,8 +166,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_bytes(text: str) -> int:
-    """'2GiB', '500M', '1e9' or '0' -> bytes."""
+def parse_bytes(text: str, flag: str = "--prompt-cache-bytes") -> int:
+    """'2GiB', '500M', '1e9' or '0' -> bytes (`flag` names the option in the error)."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     try:
@@ -175,13 +175,14 @@ def parse_bytes(text: str) -> int:
             raise ValueError
         return int(float(match.group(1)) * _UNITS[unit])
     except ValueError:
-        raise DFlashError(f"--prompt-cache-bytes {text!r} is not a size: give bytes, e.g. 2GiB, 500M or 0") from None
+        raise DFlashError(f"{flag} {text!r} is not a size: give bytes, e.g. 2GiB, 500M or 0") from None
 
 
 def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str], max_queue: int,
                       prompt_cache_bytes: str, block_size: Optional[int], max_tokens: int, temp: float,
                       chat_template_args: Optional[str],
-                      served_model_name: Union[None, str, List[str]], max_batch: int = 8) -> ServerSettings:
+                      served_model_name: Union[None, str, List[str]], max_batch: int = 8,
+                      prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: str = "16GiB") -> ServerSettings:
     """The `dflash-mlx serve` options as settings, every one checked before any model is loaded.
     `served_model_name` may be several names (the flag repeated): the first is the one the server reports."""
     template_args = None
@@ -198,10 +199,16 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
         raise DFlashError("--served-model-name is empty: give the id clients send as 'model', e.g. "
                           "--served-model-name gpt-4o-mini (repeat the flag for more names)")
     names = names or [model]
+    disk_bytes = parse_bytes(prompt_cache_dir_bytes, "--prompt-cache-dir-bytes")
+    if prompt_cache_dir:
+        from .prefix_store import prepare_folder
+
+        prepare_folder(prompt_cache_dir)
     return ServerSettings(model_name=names[0], served_names=names[1:], drafter_name=draft, api_key=api_key,
                           max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
                           block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
-                          chat_template_kwargs=template_args, max_batch=max_batch)
+                          chat_template_kwargs=template_args, max_batch=max_batch,
+                          prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=disk_bytes)
 
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,

@@ -31,6 +31,7 @@ from .generation import GenerationRequest, Generator, Outcome
 from .memory import MemoryKeeper
 from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
+from .prefix_store import PrefixStore, fingerprint, prepare_folder
 from .responses_store import ResponseStore
 from .schemas import ChatCompletionRequest, CompletionRequest, check_text
 from .streaming import collect, first_event
@@ -50,6 +51,8 @@ class ServerSettings:
     max_queue: int = 64
     max_batch: int = 8  # requests whose verify passes are batched together (1: one at a time)
     prompt_cache_bytes: int = 2 << 30
+    prompt_cache_dir: Optional[str] = None  # evicted prefix-cache entries (and all at shutdown) kept on disk here
+    prompt_cache_dir_bytes: int = 16 << 30
     block_size: Optional[int] = None
     default_max_tokens: int = 512
     context_length: Optional[int] = None  # default: the target's max_position_embeddings
@@ -88,10 +91,15 @@ class Server:
 
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
         self.settings = settings
+        store = None
+        if settings.prompt_cache_dir:
+            store = PrefixStore(prepare_folder(settings.prompt_cache_dir), fingerprint(model, drafter),
+                                settings.prompt_cache_dir_bytes)
         self.generator = Generator(model, self.tokenizer, drafter, block_size=settings.block_size,
-                                   prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch)
+                                   prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,
+                                   store=store)
         self.metrics = Metrics()
-        self.worker = Worker(self.generator, settings.max_queue, self.metrics)
+        self.worker = Worker(self.generator, settings.max_queue, self.metrics, on_exit=self.generator.persist)
         self.context_length = settings.context_length or context_length_of(model)
         self.vocab_size = self.generator.target.vocab_size
         self.created = int(time.time())

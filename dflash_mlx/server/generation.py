@@ -25,6 +25,7 @@ from ..loading import prepare
 from ..stats import AcceptanceStats
 from ..targets.caches import can_trim
 from .prefix_cache import Hit, PrefixCache, Snapshot
+from .prefix_store import PrefixStore
 from .text import StopMatcher
 from .tokenizer_lock import tokenizer_lock
 
@@ -95,7 +96,8 @@ class Generator:
     """One loaded target/drafter pair, its tokenizer and the prefix cache."""
 
     def __init__(self, model, tokenizer, drafter, *, block_size: Optional[int] = None,
-                 prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1):
+                 prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1,
+                 store: Optional[PrefixStore] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -109,6 +111,10 @@ class Generator:
         # this thread's stream, which fails. Materialize them now.
         mx.eval(model.parameters(), drafter.parameters() if drafter is not None else [])
         self.cache = PrefixCache(prompt_cache_bytes)
+        # Entries the cache evicts, and all of them when the server stops, go to disk (`--prompt-cache-dir`).
+        self.store = store
+        if store is not None:
+            self.cache.on_evict = store.save
         self.eos = set(tokenizer.eos_token_ids)
         # Held while detokenizing: the HTTP handlers encode prompts with the same tokenizer on their own thread.
         self.tokenizer_lock = tokenizer_lock(tokenizer)
@@ -124,6 +130,26 @@ class Generator:
             return DecodeState.fresh(self.target, self.drafter)
         target, draft, pending = hit.snapshot.restore(hit.length)
         return DecodeState(target, draft, last_token=-1, pending_context=pending)
+
+    def _lookup(self, prompt: List[int]) -> Hit:
+        """The longest cached prefix of the prompt (at most all but its last token), in memory or on disk."""
+        limit = len(prompt) - 1
+        hit = self.cache.lookup(prompt, limit) if self.cache.max_bytes > 0 else Hit(None, 0)
+        if self.store is not None:
+            length, stored = self.store.best(prompt, limit)
+            if length > hit.length:
+                snapshot = self.store.load(stored)
+                if snapshot is not None:
+                    if self.cache.max_bytes > 0:
+                        self.cache.insert(stored.key, snapshot)
+                    hit = Hit(snapshot, length)
+        return hit
+
+    def persist(self) -> None:
+        """Write every cached entry to the disk store (the server is stopping)."""
+        if self.store is not None:
+            for key, snapshot in self.cache.items():
+                self.store.save(key, snapshot)
 
     def _store(self, tokens: List[int], state: DecodeState) -> None:
         if self.cache.max_bytes <= 0 or not tokens:
@@ -143,7 +169,7 @@ class Generator:
         tic = time.perf_counter()
         prompt = list(req.prompt)
         n = len(prompt)
-        hit = self.cache.lookup(prompt, n - 1) if self.cache.max_bytes > 0 else Hit(None, 0)
+        hit = self._lookup(prompt)
         cached = hit.length
         state = self._restore(hit)
         position = cached

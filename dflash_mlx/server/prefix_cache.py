@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -117,6 +117,8 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        # Called with (key, snapshot) for each entry dropped for the budget (e.g. to keep it on disk).
+        self.on_evict: Optional[Callable[[Tuple[int, ...], Snapshot], None]] = None
 
     def __len__(self) -> int:
         return len(self.lru)
@@ -203,14 +205,30 @@ class PrefixCache:
                     self._remove(ancestor)
                 ancestor = ancestor.parent
         while self.nbytes > self.max_bytes and self.lru:
-            self._remove(next(iter(self.lru.values())))
+            oldest = next(iter(self.lru.values()))
+            if self.on_evict is not None:
+                self.on_evict(self._key(oldest), oldest.entry)
+            self._remove(oldest)
             self.evictions += 1
         return True
+
+    def items(self) -> Iterator[Tuple[Tuple[int, ...], Snapshot]]:
+        """(key, snapshot) of every entry, least recently used first."""
+        for node in list(self.lru.values()):
+            yield self._key(node), node.entry
 
     def clear(self) -> None:
         self.__init__(self.max_bytes)
 
     # -- internals -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _key(node: _Node) -> Tuple[int, ...]:
+        edges = []
+        while node is not None:
+            edges.append(node.edge)
+            node = node.parent
+        return tuple(t for edge in reversed(edges) for t in edge)
+
     def _make_path(self, tokens: Tuple[int, ...]) -> _Node:
         node, depth = self.root, 0
         while depth < len(tokens):

@@ -87,8 +87,10 @@ class _Chore:
 
 
 class Worker:
-    def __init__(self, generator: Generator, max_queue: int = 64, metrics=None):
+    def __init__(self, generator: Generator, max_queue: int = 64, metrics=None,
+                 on_exit: Optional[Callable[[], None]] = None):
         self.generator = generator
+        self.on_exit = on_exit  # run on the worker thread as it ends (e.g. write the prefix cache to disk)
         self.max_queue = max_queue
         self.metrics = metrics
         self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
@@ -200,3 +202,8 @@ class Worker:
                     active.remove((job, events))
                     with self._lock:
                         self.running -= 1
+        if self.on_exit is not None:
+            try:
+                self.on_exit()
+            except Exception:  # the server is going down anyway: say so, and go
+                logger.exception("the worker's exit task failed")
