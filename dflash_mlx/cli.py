@@ -241,9 +241,6 @@ def serve(
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
-    if draft == "lookup":
-        raise DFlashError("serve --draft lookup is not supported yet: serve with a drafter (each pass may copy from "
-                          "the context by default), or use generate/chat --draft lookup")
     options = dict(locals())
     from . import distributed
 

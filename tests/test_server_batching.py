@@ -153,3 +153,27 @@ def test_hybrid_concurrent_replies_equal_alone(hybrid):
             for ids, n, o in jobs]
     assert got == want
     assert max(sizes) >= 2
+
+
+def test_lookup_only_server_replies_are_plain_greedy(pair):
+    """`serve --draft lookup` (no drafter): concurrent replies equal mlx-lm's plain greedy ones, and passes that
+    copied from the context had drafts accepted."""
+    import mlx_lm
+
+    model, tokenizer, _ = pair
+    loop = [40, 41, 42, 43, 44, 45, 46, 47] * 4
+    jobs = [(loop, 48, {}), (PROMPTS[1], 24, {}), (loop[:20], 24, {})]
+    want = [mlx_lm.generate(model, tokenizer, ids, max_tokens=n) for ids, n, _ in jobs]
+    app = create_app(model, tokenizer, "lookup", ServerSettings(model_name="tiny", max_batch=4))
+    running = start_in_thread(app)
+    try:
+        assert _concurrent(running.base, jobs) == want
+        body = {"model": "tiny", "prompt": loop, "max_tokens": 32, "temperature": 0}
+        r = httpx.post(running.base + "/v1/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["text"] == mlx_lm.generate(model, tokenizer, loop, max_tokens=32)
+        sources = r["dflash"]["sources"]
+        assert "dflash" not in sources and sources["lookup"]["tokens"] > sources["lookup"]["passes"]  # copies kept
+        models = httpx.get(running.base + "/v1/models").json()
+        assert models["data"][0]["id"] == "tiny"
+    finally:
+        running.stop()

@@ -179,6 +179,9 @@ def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], ho
                    pipeline: bool = False, **options) -> None:
     """`dflash-mlx serve` under `mlx.launch` (or with --pipeline): the options checked as for one process, then
     `serve_ranks`."""
+    if draft == "lookup":
+        raise DFlashError("serve --draft lookup is not supported when the target is split over ranks; serve it "
+                          "in one process, or give a drafter")
     if options.get("prompt_cache_dir"):
         raise DFlashError("--prompt-cache-dir is not supported when the target is split over ranks (every rank "
                           "must restore the same caches); serve without it")

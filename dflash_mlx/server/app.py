@@ -93,7 +93,8 @@ class Server:
         self.settings = settings
         store = None
         if settings.prompt_cache_dir:
-            store = PrefixStore(prepare_folder(settings.prompt_cache_dir), fingerprint(model, drafter),
+            store = PrefixStore(prepare_folder(settings.prompt_cache_dir),
+                                fingerprint(model, None if isinstance(drafter, str) else drafter),
                                 settings.prompt_cache_dir_bytes)
         self.generator = Generator(model, self.tokenizer, drafter, block_size=settings.block_size,
                                    prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,
@@ -298,7 +299,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
                 "context_length": server.context_length,
                 "dflash": {"drafter": settings.drafter_name,
                            "block_size": gen.block_size or (gen.drafter.block_size if gen.drafter else 1),
-                           "adaptive_width": gen.drafter is not None and gen.block_size is None}}
+                           "adaptive_width": (gen.drafter is not None or gen.lookup_only) and gen.block_size is None}}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():

@@ -21,6 +21,7 @@ import mlx.core as mx
 from ..batching import Batch, BatchedGeneration
 from ..engine import DecodeState, prefill
 from ..generation import Generation
+from ..lookup import LOOKUP_ONLY
 from ..loading import prepare
 from ..stats import AcceptanceStats
 from ..targets.caches import can_trim
@@ -98,6 +99,9 @@ class Generator:
     def __init__(self, model, tokenizer, drafter, *, block_size: Optional[int] = None,
                  prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1,
                  store: Optional[PrefixStore] = None):
+        # `--draft lookup`: no drafter; every pass may copy from the context (the prompt, cached prefixes).
+        self.lookup_only = drafter == LOOKUP_ONLY
+        drafter = None if self.lookup_only else drafter
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -123,7 +127,9 @@ class Generator:
 
     @property
     def plain(self) -> bool:
-        return self.drafter is None or (self.block_size or self.drafter.block_size) <= 1
+        if self.drafter is None:
+            return not self.lookup_only or self.block_size is not None
+        return (self.block_size or self.drafter.block_size) <= 1
 
     def _restore(self, hit: Hit) -> DecodeState:
         if hit.snapshot is None:
@@ -184,6 +190,8 @@ class Generator:
         options = dict(tokenizer=self.tokenizer, max_tokens=req.max_tokens, width=self.block_size, state=state,
                        history=prompt[:position], tokenizer_lock=self.tokenizer_lock,
                        prefill_step_size=self.prefill_step_size, **req.sampling)
+        if self.lookup_only:
+            options["lookup"] = True
         if batched and self.batch is not None:
             generation = BatchedGeneration(self.batch, prompt[position:], **options)
         else:
