@@ -14,7 +14,7 @@ from dflash_mlx.batching import Batch, BatchedGeneration
 from dflash_mlx.generation import Generation
 from dflash_mlx.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
-from dflash_mlx.targets.ragged import ragged_forward, splittable
+from dflash_mlx.targets.ragged import plain_attention, ragged_forward, splittable
 from tiny import VOCAB, make_drafter, prompt_ids, randomize, reference, target
 
 
@@ -59,11 +59,15 @@ def drive(gens: Dict[str, Generation], join_after: Dict[str, int] = None, close_
     return out
 
 
-def test_ragged_forward_equals_each_pass_alone():
-    """Logits, taps and the caches left behind equal each block's own pass (dense and hybrid targets)."""
-    for model in (target("qwen2"), _hybrid()):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama_swa", "qwen3_5"])
+def test_ragged_forward_equals_each_pass_alone(kind):
+    """Logits, taps and the caches left behind equal each block's own pass (dense targets, whose plain attention
+    projects the whole stream at once, a sliding-window one, and a hybrid)."""
+    for model in (_hybrid() if kind == "qwen3_5" else target(kind),):
         t = TargetModel(model, [0, 2])
         assert all(splittable(layer) for layer in t.layers)
+        shared = [plain_attention(layer.self_attn) for layer in t.layers if not getattr(layer, "is_linear", False)]
+        assert all(shared) if kind in ("llama", "qwen2", "qwen3") else True
         prompts = [prompt_ids(n, seed=n) for n in (5, 9, 7)]
         alone, batched = [t.make_cache() for _ in prompts], [t.make_cache() for _ in prompts]
         for p, a, b in zip(prompts, alone, batched):

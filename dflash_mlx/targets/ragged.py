@@ -9,8 +9,11 @@ rolls back per request as usual (`TargetModel.rollback`).
 
 Layers are split only where their call is known to be the pre-norm block `h = x + mix(norm1(x)); h + mlp(norm2(h))`
 (mlx-lm's llama, qwen2, qwen3, qwen3_moe, qwen3_5 and qwen3_next layers); any other layer runs whole per request,
-and a family with its own walk (Gemma 4) runs whole passes per request. Either way the result is that of
-`TargetModel.__call__` on each block, up to the rounding of matmuls over more rows.
+and a family with its own walk (Gemma 4) runs whole passes per request. Within the mixer, the plain attention of
+llama, qwen2, qwen3 and qwen3_moe (projections, optional q/k norms, RoPE at the cache's offset, cache update, SDPA)
+runs its four projections on the whole stream too, and only RoPE, the cache update and SDPA per request: the
+projections are a tenth of the weights, read once per pass instead of once per request. Either way the result is
+that of `TargetModel.__call__` on each block, up to the rounding of matmuls over more rows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, List, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
 
 from .adapter import TargetModel
 from .families import walk_layers
@@ -26,6 +30,8 @@ from .hybrid import gated_delta_net
 
 # mlx-lm model modules whose decoder layers are exactly the pre-norm block above (checked by tests/test_batching.py).
 _PRE_NORM_MODULES = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+# mlx-lm modules whose `Attention.__call__` is the plain one `_shared_attention` restates (tests/test_batching.py).
+_PLAIN_ATTENTION_MODULES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
 
 
 def splittable(layer: nn.Module) -> bool:
@@ -34,6 +40,36 @@ def splittable(layer: nn.Module) -> bool:
     mixer = "linear_attn" if getattr(layer, "is_linear", False) else "self_attn"
     return (module in _PRE_NORM_MODULES and mixer in layer and "mlp" in layer
             and "input_layernorm" in layer and "post_attention_layernorm" in layer)
+
+
+def plain_attention(attn: nn.Module) -> bool:
+    """Whether `attn` is mlx-lm's plain `Attention` of a module whose call `_shared_attention` restates."""
+    module = type(attn).__module__.rsplit(".", 1)[-1]
+    return (type(attn).__name__ == "Attention" and module in _PLAIN_ATTENTION_MODULES
+            and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads",
+                                                "n_kv_heads", "scale")))
+
+
+def _shared_attention(attn: nn.Module, x: mx.array, spans: Sequence[Tuple[int, int]], masks: Sequence[Any],
+                      caches: Sequence[Any]) -> mx.array:
+    """mlx-lm's plain attention over every request's slice of `x` [1, N, H]: the projections on all N tokens at
+    once, RoPE at each request's own cache offset, its cache update and SDPA per request (with a cache always)."""
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    outs = []
+    for (a, b), mask, cache in zip(spans, masks, caches):
+        n = b - a
+        queries = q[:, a:b].reshape(1, n, attn.n_heads, -1)
+        keys = k[:, a:b].reshape(1, n, attn.n_kv_heads, -1)
+        if hasattr(attn, "q_norm"):  # qwen3, qwen3_moe
+            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        values = v[:, a:b].reshape(1, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = attn.rope(queries, offset=cache.offset)
+        keys = attn.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+        outs.append(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
+    return attn.o_proj(mx.concatenate(outs, axis=1))
 
 
 def _mix(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
@@ -60,6 +96,7 @@ def _walk(target: TargetModel, blocks: Sequence[mx.array], caches: Sequence[List
     family, lm, inner = target.family, target.lm, target.inner
     widths = [b.shape[1] for b in blocks]
     bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    spans = list(zip(bounds[:-1], bounds[1:]))
     h = family.embed(lm, inner, mx.concatenate(list(blocks), axis=1))
 
     def parts(x: mx.array) -> List[mx.array]:
@@ -71,9 +108,13 @@ def _walk(target: TargetModel, blocks: Sequence[mx.array], caches: Sequence[List
     kept = {}
     for i, layer in enumerate(inner.layers):
         if splittable(layer):
-            mixed = [_mix(layer, x, m[i], c[i]) for x, m, c in zip(parts(layer.input_layernorm(h)),
-                                                                            masks, caches)]
-            h = h + mx.concatenate(mixed, axis=1)
+            normed = layer.input_layernorm(h)
+            attn = getattr(layer, "self_attn", None)
+            if not getattr(layer, "is_linear", False) and plain_attention(attn):
+                h = h + _shared_attention(attn, normed, spans, [m[i] for m in masks], [c[i] for c in caches])
+            else:
+                h = h + mx.concatenate([_mix(layer, x, m[i], c[i]) for x, m, c in zip(parts(normed), masks, caches)],
+                                       axis=1)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         else:
             h = mx.concatenate([family.call_layer(layer, x, m[i], c[i])
