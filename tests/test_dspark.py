@@ -194,18 +194,25 @@ def test_width_beyond_the_drafts_is_one_clear_error(checkpoints):
 
 
 # -- sampling: chi-square against the exact joint of the first three tokens -------------------------------------------
-def test_sampling_with_the_markov_walk_is_exact():
-    from test_sampling import ALPHA, E2E_VOCAB, PROMPT, chi2_pvalue, exact_target_joint, joint_counts
+def _sampling_pair(block: int, confidence: bool):
+    """A one-layer llama target over the chi-square vocabulary and a DSpark drafter whose strong Markov term makes
+    the proposal for slot i depend on the token drawn at slot i-1."""
+    from test_sampling import E2E_VOCAB
 
     model = tiny.build_target("llama", seed=3, num_hidden_layers=1, vocab_size=E2E_VOCAB)
     cfg = DSparkConfig(hidden_size=tiny.HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=16, intermediate_size=96, vocab_size=E2E_VOCAB, rope_theta=10000.0,
-                       target_layer_ids=[0], mask_token_id=E2E_VOCAB - 1, dspark_block=2, logits_start=0,
-                       block_size=3, markov_rank=E2E_VOCAB, enable_confidence_head=False)
+                       target_layer_ids=[0], mask_token_id=E2E_VOCAB - 1, dspark_block=block - 1, logits_start=0,
+                       block_size=block, markov_rank=E2E_VOCAB, enable_confidence_head=confidence)
     drafter = tiny.randomize(DSparkDrafter(cfg), 5)
-    # A strong Markov term: the proposal for slot 1 depends on the token drawn at slot 0.
     drafter.markov_head.markov_w1.weight = mx.eye(E2E_VOCAB) * 3.0
-    t = TargetModel(model, cfg.target_layer_ids)
+    return model, drafter, TargetModel(model, cfg.target_layer_ids)
+
+
+def test_sampling_with_the_markov_walk_is_exact():
+    from test_sampling import ALPHA, E2E_VOCAB, PROMPT, chi2_pvalue, exact_target_joint, joint_counts
+
+    model, drafter, t = _sampling_pair(3, confidence=False)
     params = SamplingParams(temp=1.0)
     seqs, accepted = [], 0
     for seed in range(400):
@@ -260,17 +267,10 @@ def test_sampling_with_the_confidence_cut_is_exact():
     """chi-square: blocks cut on a confidence head that depends strongly on the previous draft stay exact."""
     from test_sampling import ALPHA, E2E_VOCAB, PROMPT, chi2_pvalue, exact_target_joint, joint_counts
 
-    model = tiny.build_target("llama", seed=3, num_hidden_layers=1, vocab_size=E2E_VOCAB)
-    cfg = DSparkConfig(hidden_size=tiny.HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, intermediate_size=96, vocab_size=E2E_VOCAB, rope_theta=10000.0,
-                       target_layer_ids=[0], mask_token_id=E2E_VOCAB - 1, dspark_block=3, logits_start=0,
-                       block_size=4, markov_rank=E2E_VOCAB, enable_confidence_head=True)
-    drafter = tiny.randomize(DSparkDrafter(cfg), 5)
-    drafter.markov_head.markov_w1.weight = mx.eye(E2E_VOCAB) * 3.0
+    model, drafter, t = _sampling_pair(4, confidence=True)
     # The head's estimate swings with the previous draft: a cut that looked at a slot's own draft would bias it.
     head = drafter.confidence_head.proj
     head.weight = mx.concatenate([mx.zeros((1, tiny.HIDDEN)), mx.array(np.linspace(-6, 6, E2E_VOCAB))[None]], axis=1)
-    t = TargetModel(model, cfg.target_layer_ids)
     params = SamplingParams(temp=1.0)
     seqs, widths = [], set()
     for seed in range(400):
