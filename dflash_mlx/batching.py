@@ -213,20 +213,16 @@ class Batch:
         m.wants = tokens[-1] not in m.stops and m.emitted < m.limit
         m.packed = m.hidden = m.logits = m.draft_logits = m.flushed = None
 
-
     def _withdraw(self, m: _Member) -> None:
-        """Take the member's computed, unyielded cycle out of its caches (it committed `keep` tokens of the newest
-        verify write, which the target can still drop; its draft took the features `flushed`)."""
+        """Take the member's computed, unyielded cycle out of its caches: it committed `keep` tokens of the newest
+        verify write, which the target can still drop, and appended their features to the waiting ones; undone,
+        it is the engine's abandoned cycle (`DecodeState.abandon`)."""
         keep, flushed, last_token = m.undo
         state = m.state
-        self.target.rollback(state.target_cache, keep)
-        if self.drafter is not None:
-            if flushed is not None:  # the features before the pass were moved into the draft cache
-                self.drafter.rollback(state.draft_cache, flushed.shape[1])
-                state.pending_context = flushed
-            else:  # a lookup or plain pass: its features were only appended to the waiting ones
-                waiting = state.pending_context
-                state.pending_context = waiting[:, :-keep] if waiting.shape[1] > keep else None
+        if self.drafter is not None and flushed is None:  # a lookup or plain pass: drop its appended features
+            waiting = state.pending_context
+            state.pending_context = waiting[:, :-keep] if waiting.shape[1] > keep else None
+        state.abandon(self.target, self.drafter, keep, flushed)
         state.last_token = last_token
         m.ready = m.undo = None
 

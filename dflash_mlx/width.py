@@ -170,19 +170,21 @@ class WidthPolicy:
 
     def truncate(self, confidence: Sequence[float], widest: int) -> int:
         """The width of a pass whose block of `widest` tokens (the width `choose` gave) a drafter with a confidence
-        head has drafted: `confidence[i-1]` is the head's estimate that draft i is accepted given drafts 1..i-1 were. Draft 1 is
-        always verified (drafting was paid for); then slot by slot, slot i is verified while some wider width,
-        under the head's estimates up to slot i and the running ones beyond, commits more tokens per second than
-        stopping before it. Each decision reads the head's values up to its slot only, and those depend only on
-        the drafts before it (never on the slot's own draw): the cut is a stopping time, so sampling stays exact.
+        head has drafted: `confidence[i-1]` is the head's estimate that draft i is accepted given drafts 1..i-1
+        were. Draft 1 is always verified (drafting was paid for); then slot by slot, slot i is verified while some
+        wider width, under the head's estimates up to slot i and the running ones beyond, commits more tokens per
+        second than stopping before it. Each decision reads the head's values up to its slot only, and those
+        depend only on the drafts before it (never on the slot's own draw): the cut is a stopping time, so
+        sampling stays exact.
         """
         widest = min(widest, self.max_width, len(confidence) + 1)
         if not self.costs or widest <= 2:
             return widest
         running, width = self.acceptance(), 2
+        costs = [max(self.cost(v), 1e-9) for v in range(1, widest + 1)]  # the same for every slot's decision
         for i in range(2, widest):
             expected = self.expected_tokens(list(confidence[:i]) + running[i: widest - 1])
-            rate = [expected[v - 1] / max(self.cost(v), 1e-9) for v in range(1, widest + 1)]
+            rate = [e / c for e, c in zip(expected, costs)]
             if max(rate[i:]) <= rate[i - 1]:  # nothing wider than i beats stopping before slot i
                 break
             width = i + 1
