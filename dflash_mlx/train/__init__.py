@@ -2,17 +2,25 @@
 
 data.py      files and chat datasets -> packed token rows, label mask, held-out prompts (optionally regenerated)
 features.py  the frozen target's tapped features, extracted once into a resumable memory-mapped cache
-masks.py     anchor sampling and the block attention mask
+recipe.py    rows, anchors, labels, slot weights, taps and mask token: numpy only, shared with torch_train
+masks.py     the block attention mask
 forward.py   the drafter's masked training forward over many blocks at once (its own modules and weights)
 loss.py      slot-weighted cross-entropy (+ the target's top-k distribution), acceptance statistics
 vocab.py     reduced draft vocabulary (d2t) and its head
 trainer.py   AdamW + warmup/cosine, exact-resume checkpoints, held-out τ with the real decoding loop
 """
 
-from .forward import block_hidden
-from .loss import block_loss, default_gamma, slot_weights
-from .masks import block_mask, sample_anchors
-from .trainer import TrainConfig, Trainer, held_out_tau
+# The MLX parts load on first use, so the numpy-only modules (data, recipe, card) import without MLX
+# (`dflash_mlx.torch_train` runs on machines that have only PyTorch).
+_EXPORTS = {"block_hidden": "forward", "block_loss": "loss", "block_mask": "masks", "default_gamma": "recipe",
+            "held_out_tau": "trainer", "sample_anchors": "recipe", "slot_weights": "recipe", "TrainConfig": "trainer",
+            "Trainer": "trainer"}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["block_hidden", "block_loss", "block_mask", "default_gamma", "held_out_tau", "sample_anchors",
-           "slot_weights", "TrainConfig", "Trainer"]
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

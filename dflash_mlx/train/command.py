@@ -35,6 +35,7 @@ import typer
 
 from ..errors import DFlashError
 from ..dtypes import dtype_name
+from .recipe import choose_mask_token, default_taps  # noqa: F401 (default_taps re-exported)
 from .trainer import LABELS, STATE_DIR, TrainConfig
 
 
@@ -376,22 +377,11 @@ def output_scale(target, default):
 
 
 def pick_mask_token(tokenizer, target, tokens: np.ndarray) -> int:
-    """A token that never occurs in the data and has a non-zero embedding: a '...mask...' special token if the
-    tokenizer has one, else its highest added token that is not BOS/EOS/PAD."""
+    """`recipe.choose_mask_token` with the MLX target's embedding."""
     import mlx.core as mx
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    added = dict(getattr(hf, "get_added_vocab", lambda: {})())
-    used = set(np.unique(np.asarray(tokens)).tolist())
-    reserved = set(getattr(tokenizer, "eos_token_ids", None) or []) | {
-        getattr(hf, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    names = sorted(added.items(), key=lambda kv: (("mask" not in kv[0].lower()), -kv[1]))
-    for _, i in names:
-        if i in used or i in reserved or not 0 <= i < target.vocab_size:
-            continue
-        if mx.abs(target.embed(mx.array([[i]]))).sum().item() > 0:
-            return int(i)
-    raise DFlashError("found no unused special token to serve as the mask token; pass --mask-token-id ID")
+    return choose_mask_token(tokenizer, target.vocab_size, tokens,
+                             lambda i: mx.abs(target.embed(mx.array([[i]]))).sum().item() > 0)
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
@@ -444,16 +434,6 @@ def prepare_cache(args: TrainArgs, model, tokenizer, target, target_ref: str, ta
         (cache.path / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
         cache.meta = meta
     return cache, stats
-
-
-def default_taps(num_target_layers: int, count: int) -> List[int]:
-    """The reference's spread (layer 1 to L-3); on targets too shallow for it, spread over every layer."""
-    from ..config import default_target_layer_ids
-
-    taps = default_target_layer_ids(num_target_layers, count)
-    if len(set(taps)) < len(taps):
-        taps = sorted({int(round(x)) for x in np.linspace(0, num_target_layers - 1, count)})
-    return taps
 
 
 def _saved_args(raw: Dict, overrides: Dict) -> TrainArgs:

@@ -12,26 +12,13 @@ import mlx.core as mx
 import numpy as np
 
 from . import fastmath
+from .recipe import default_gamma, slot_weights  # noqa: F401 (re-exported)
 
 
 def logsumexp(x: mx.array) -> mx.array:
     """logsumexp over the last axis whose gradient reuses the forward's softmax: one exp per logit instead of two
     (exp dominates the loss on CPU; see fastmath.py)."""
     return fastmath.lse_softmax(x)[0]
-
-
-def default_gamma(block_size: int) -> float:
-    """The recipe's decay: γ = 7 for B=16, 5 for B=10, 4 for B=8 (B/2 up to 10, then one more per 3 slots)."""
-    if block_size <= 10:
-        return block_size / 2
-    return 5 + (block_size - 10) / 3
-
-
-def slot_weights(block_size: int, gamma: Optional[float] = None) -> np.ndarray:
-    """w_k = exp(-(k-1)/γ) for slots k = 1..B-1 (slot 0 holds the known token and has no loss)."""
-    gamma = default_gamma(block_size) if gamma is None else gamma
-    k = np.arange(1, block_size, dtype=np.float64)
-    return np.exp(-(k - 1) / gamma).astype(np.float32)
 
 
 def block_loss(logits: mx.array, labels: mx.array, weights: mx.array, teacher_ids: Optional[mx.array] = None,

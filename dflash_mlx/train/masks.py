@@ -16,61 +16,11 @@ dense mask over keys [context, all blocks] that the factors stand for.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 
-
-def anchor_candidates(trainable: np.ndarray, block_size: int) -> np.ndarray:
-    """Positions a that may anchor a block: a non-empty context (a >= 1), the whole block inside the row
-    (a + B <= S) and a trainable first label (`trainable[a + 1]`, e.g. an assistant token)."""
-    last = len(trainable) - block_size  # largest anchor whose block fits
-    if last < 1:
-        return np.zeros((0,), dtype=np.int64)
-    candidates = np.arange(1, last + 1)
-    if block_size > 1:
-        candidates = candidates[trainable[candidates + 1] > 0]
-    return candidates
-
-
-def sample_anchors(rng: np.random.Generator, trainable: np.ndarray, num_anchors: int, block_size: int) -> np.ndarray:
-    """Sorted anchor positions for one row, uniformly among its candidates (`anchor_candidates`).
-
-    Distinct when there are enough candidates, otherwise drawn with replacement so every row yields the same number
-    of blocks. Returns [] if the row has none.
-    """
-    candidates = anchor_candidates(trainable, block_size)
-    if len(candidates) == 0:
-        return np.zeros((0,), dtype=np.int32)
-    picked = rng.choice(candidates, size=num_anchors, replace=len(candidates) < num_anchors)
-    return np.sort(picked).astype(np.int32)
-
-
-def band_limits(context_len: int, bands: int) -> List[int]:
-    """Band c's anchors are at most limit c, so its blocks see context positions below it only."""
-    return [context_len * (c + 1) // bands for c in range(bands)]
-
-
-def sample_banded_anchors(rng: np.random.Generator, trainable: np.ndarray, num_anchors: int, block_size: int,
-                          bands: int) -> Optional[np.ndarray]:
-    """Sorted anchors for one row in `bands` groups of num_anchors / bands, so the training forward can give each
-    group a shorter context (`band_limits`): the row's candidates split in position order into `bands` groups of
-    equal size (±1), and each group gives the same number of anchors, distinct when it has enough.
-
-    Every candidate has the same chance to be drawn as with `sample_anchors` (anchors per group / group size =
-    anchors / candidates); only the spread is more even. None when a group reaches past its band's limit (labels
-    bunched late in the row, e.g. one assistant turn at the end) or there are fewer candidates than bands: then
-    draw with `sample_anchors` and train without bands.
-    """
-    candidates = anchor_candidates(trainable, block_size)
-    if len(candidates) < bands or num_anchors % bands:
-        return None
-    groups = np.array_split(candidates, bands)
-    if any(g[-1] > limit for g, limit in zip(groups, band_limits(len(trainable), bands))):
-        return None
-    n = num_anchors // bands
-    return np.concatenate([np.sort(rng.choice(g, size=n, replace=len(g) < n)) for g in groups]).astype(np.int32)
+from .recipe import anchor_candidates, band_limits, sample_anchors, sample_banded_anchors  # noqa: F401 (re-exported)
 
 
 def context_mask(anchors: mx.array, context_len: int, block_size: int,

@@ -35,8 +35,8 @@ from ..errors import DFlashError
 from .device import keep_freed_memory
 from .features import FeatureCache
 from .forward import block_hidden
-from .loss import block_loss, default_gamma, slot_weights
-from .masks import anchor_candidates, sample_anchors, sample_banded_anchors
+from .loss import block_loss
+from .recipe import block_labels, default_gamma, draw_blocks, label_positions, slot_weights
 
 STATE_DIR = "train_state"
 LABELS = ("data", "target")
@@ -184,39 +184,13 @@ class Trainer:
         """Micro-batch `micro` of training step `step` (a pure function of the seed, the step and `micro`)."""
         cfg, B = self.config, self.block_size
         rng = np.random.default_rng([cfg.seed, step, micro])
-        rows, trainables = [], []
-        for _ in range(100 * cfg.rows_per_step):
-            row = int(rng.integers(self.cache.rows))
-            t = np.asarray(self.cache.trainable[row])
-            if len(anchor_candidates(t, B)):
-                rows.append(row)
-                trainables.append(t)
-            if len(rows) == cfg.rows_per_step:
-                break
-        else:
-            raise DFlashError("the data has (almost) no trainable tokens: no block can be placed")
-        # Banded anchors when every row allows them (then each band of blocks scores a shorter context).
-        bands = self.bands
-        if bands > 1:
-            anchors = [sample_banded_anchors(rng, t, cfg.anchors, B, bands) for t in trainables]
-            bands = bands if all(a is not None for a in anchors) else 1
-        if bands == 1:
-            anchors = [sample_anchors(rng, t, cfg.anchors, B) for t in trainables]
-        anchors = np.stack(anchors)  # [R, A]
+        rows, anchors, bands = draw_blocks(rng, self.cache.rows, lambda row: self.cache.trainable[row],
+                                           cfg.rows_per_step, cfg.anchors, B, self.bands)
         tokens = np.asarray(self.cache.tokens[rows]).astype(np.int32)  # [R, S]
         trainable = np.asarray(self.cache.trainable[rows])
-        at = anchors[:, :, None] + np.arange(1, B)[None, None]  # [R, A, B-1]: positions slots 1..B-1 predict
-        r = np.arange(len(rows))[:, None, None]
-        if self._argmax is not None:
-            # The target's greedy choice for position p comes from its logits at p - 1: for slot 1 that is the
-            # verify's own answer on this context; later slots see the text's tokens before them.
-            labels = np.asarray(self._argmax[rows])[r, at - 1]
-        else:
-            labels = tokens[r, at]
-        ok = trainable[r, at] > 0
-        if self.t2d is not None:
-            labels = self.t2d[labels]
-            ok &= labels >= 0
+        argmax = np.asarray(self._argmax[rows]) if self._argmax is not None else None
+        labels = block_labels(tokens, trainable, anchors, B, argmax, self.t2d)
+        ok = labels >= 0
         if self.device_features:
             features = mx.take(self._features, mx.array(np.asarray(rows, dtype=np.int32)), axis=0)
         else:
@@ -226,9 +200,10 @@ class Trainer:
             "features": features,
             "tokens": mx.array(tokens),
             "anchors": mx.array(anchors),
-            "labels": mx.array(np.where(ok, labels, -1).astype(np.int32)),
+            "labels": mx.array(labels),
         }
         if self._teacher is not None:
+            r, at = np.arange(len(rows))[:, None, None], label_positions(anchors, B)
             ids = np.asarray(self._teacher[0][rows])[r, at - 1]  # the target's prediction for position a+k
             logp = np.asarray(self._teacher[1][rows])[r, at - 1]
             if self.t2d is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Iterable, Tuple
 
-import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
@@ -35,12 +34,14 @@ def maps(draft_ids: np.ndarray, vocab_size: int) -> Tuple[np.ndarray, np.ndarray
     return d2t, t2d
 
 
-def head_rows(target, draft_ids: np.ndarray, chunk: int = 4096) -> mx.array:
+def head_rows(target, draft_ids: np.ndarray, chunk: int = 4096) -> "mx.array":
     """The target head's rows [N, H] for `draft_ids`, read off the head itself (tied, untied or quantized).
 
     head(e_j) for the unit vectors e_j gives column j of W^T, so W[ids] = head(I)[:, ids]^T, computed in chunks.
     The target's logit soft-cap is skipped (the drafter applies its own).
     """
+    import mlx.core as mx
+
     H = target.hidden_size
     eye = mx.eye(H, dtype=mx.float32)
     ids = mx.array(draft_ids.astype(np.int32))
