@@ -51,6 +51,7 @@ def save_drafter(model: DraftModel, out: Path, dtype: torch.dtype = torch.bfloat
                for k, v in model.state_dict().items()}
     tmp = out / (WEIGHTS_NAME + ".tmp")
     save_file(tensors, str(tmp), metadata=dict(metadata or {}, format="pt"))
+    os.chmod(tmp, 0o644)  # readable like any model file (the temporary file is created private)
     os.replace(tmp, out / WEIGHTS_NAME)
     text = json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n"
     (out / (CONFIG_NAME + ".tmp")).write_text(text)

@@ -36,6 +36,7 @@ import typer
 from ..errors import DFlashError
 from ..dtypes import dtype_name
 from .recipe import choose_mask_token, default_taps  # noqa: F401 (default_taps re-exported)
+from .recipe import drafter_config as recipe_drafter_config
 from .trainer import LABELS, STATE_DIR, TrainConfig
 
 
@@ -340,23 +341,12 @@ def _check_resumed_target(saved: Dict, given: str, target, identity: str, args: 
 
 
 def drafter_config(target, model, args: TrainArgs, mask_token_id: int):
-    """A Qwen3-style drafter shaped like the target (hidden size, heads, MLP width unless overridden)."""
-    from ..config import DFlashConfig, default_target_layer_ids
-
-    a = getattr(model, "args", None)
-    get = lambda name, default=None: getattr(a, name, None) or default  # noqa: E731
-    H = target.hidden_size
-    heads = get("num_attention_heads", max(1, H // 64))
-    n = target.num_layers
-    taps = args.target_layers or default_target_layer_ids(n, args.num_layers)
-    return DFlashConfig(
-        hidden_size=H, num_hidden_layers=args.num_layers, num_attention_heads=heads,
-        num_key_value_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", H // heads),
-        intermediate_size=args.intermediate_size or get("intermediate_size", 4 * H), vocab_size=target.vocab_size,
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(get("rope_theta", 1e6)),
-        max_position_embeddings=int(get("max_position_embeddings", 32768)), num_target_layers=n,
-        block_size=args.block_size, target_layer_ids=list(taps), mask_token_id=mask_token_id,
-        draft_vocab_size=args.draft_vocab)
+    """`recipe.drafter_config` for an mlx-lm target (its `model.args`)."""
+    return recipe_drafter_config(getattr(model, "args", None), hidden_size=target.hidden_size,
+                                 num_target_layers=target.num_layers, vocab_size=target.vocab_size,
+                                 num_layers=args.num_layers, block_size=args.block_size, mask_token_id=mask_token_id,
+                                 taps=args.target_layers, intermediate_size=args.intermediate_size,
+                                 draft_vocab=args.draft_vocab)
 
 
 def output_scale(target, default):

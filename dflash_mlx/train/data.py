@@ -141,7 +141,8 @@ def _encode(tokenizer, text: str, special: bool) -> List[int]:
 
 
 def eos_id(tokenizer) -> int:
-    ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    ids = getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]
+    ids = sorted([ids] if isinstance(ids, int) else ids)  # a plain transformers tokenizer may give one int
     return int(tokenizer.eos_token_id if tokenizer.eos_token_id is not None else ids[0])
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import mlx.core as mx
-import numpy as np
 
 from . import fastmath
 from .recipe import default_gamma, slot_weights  # noqa: F401 (re-exported)

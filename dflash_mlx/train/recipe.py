@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..config import default_target_layer_ids
+from ..config import DFlashConfig, default_target_layer_ids
 from ..errors import DFlashError
 
 
@@ -138,6 +138,42 @@ def slot_weights(block_size: int, gamma: Optional[float] = None) -> np.ndarray:
 
 
 # -- the drafter's shape ------------------------------------------------------------------------------------------
+def drafter_config(model_args, *, hidden_size: int, num_target_layers: int, vocab_size: int, num_layers: int,
+                   block_size: int, mask_token_id: int, taps: Optional[Sequence[int]] = None,
+                   intermediate_size: Optional[int] = None, draft_vocab: Optional[int] = None) -> DFlashConfig:
+    """A Qwen3-style drafter shaped like the target (hidden size, heads, MLP width unless overridden).
+
+    `model_args`: the target's config object (mlx-lm's `model.args` or a transformers config; may be None).
+    """
+    get = lambda name, default=None: getattr(model_args, name, None) or default  # noqa: E731
+    H = hidden_size
+    heads = get("num_attention_heads", max(1, H // 64))
+    return DFlashConfig(
+        hidden_size=H, num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", H // heads),
+        intermediate_size=intermediate_size or get("intermediate_size", 4 * H), vocab_size=vocab_size,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(get("rope_theta", 1e6)),
+        max_position_embeddings=int(get("max_position_embeddings", 32768)), num_target_layers=num_target_layers,
+        block_size=block_size, target_layer_ids=list(taps or default_target_layer_ids(num_target_layers, num_layers)),
+        mask_token_id=mask_token_id, draft_vocab_size=draft_vocab)
+
+
+def step_flops(c: DFlashConfig, rows: int, anchors: int, seq_len: int) -> float:
+    """Training FLOPs of one micro-batch (multiply-adds x 2): forward + backward of the trained matmuls (x3), the
+    frozen head's forward and input gradient (x2), and the fusion `fc` (forward + weight gradient, x2)."""
+    H, B, L = c.hidden_size, c.block_size, c.num_hidden_layers
+    hd = c.head_dim or H // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    blocks = rows * anchors * B  # block tokens
+    vocab = c.draft_vocab_size or c.vocab_size
+    per_layer = (blocks * (H * (q + 2 * kv) + q * H + 3 * H * c.intermediate_size)
+                 + rows * seq_len * H * 2 * kv  # context keys and values
+                 + blocks * c.num_attention_heads * hd * (seq_len + B) * 2)  # scores and weighted values
+    head = rows * anchors * (B - 1) * H * vocab
+    fc = rows * seq_len * c.num_taps * H * H
+    return 2.0 * (3 * L * per_layer + 2 * head + 2 * fc)
+
+
 def default_taps(num_target_layers: int, count: int) -> List[int]:
     """The reference's spread (layer 1 to L-3); on targets too shallow for it, spread over every layer."""
     taps = default_target_layer_ids(num_target_layers, count)
@@ -150,10 +186,13 @@ def choose_mask_token(tokenizer, vocab_size: int, tokens: np.ndarray, has_embedd
                       reserved: Sequence[int] = ()) -> int:
     """A token that never occurs in the data and has a non-zero embedding (`has_embedding(id)`): a '...mask...'
     special token if the tokenizer has one, else its highest added token that is not BOS/EOS/PAD or `reserved`."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    # mlx-lm's wrapper forwards to the transformers tokenizer; a transformers tokenizer's own `_tokenizer` is the
+    # Rust one, without get_added_vocab.
+    hf = tokenizer if hasattr(tokenizer, "get_added_vocab") else getattr(tokenizer, "_tokenizer", tokenizer)
     added = dict(getattr(hf, "get_added_vocab", lambda: {})())
     used = set(np.unique(np.asarray(tokens)).tolist())
-    excluded = set(getattr(tokenizer, "eos_token_ids", None) or []) | set(reserved) | {
+    eos = getattr(tokenizer, "eos_token_ids", None) or []
+    excluded = set([eos] if isinstance(eos, int) else eos) | set(reserved) | {
         getattr(hf, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
     names = sorted(added.items(), key=lambda kv: (("mask" not in kv[0].lower()), -kv[1]))
     for _, i in names:

@@ -37,6 +37,7 @@ from .features import FeatureCache
 from .forward import block_hidden
 from .loss import block_loss
 from .recipe import block_labels, default_gamma, draw_blocks, label_positions, slot_weights
+from .recipe import step_flops as recipe_step_flops
 
 STATE_DIR = "train_state"
 LABELS = ("data", "target")
@@ -100,20 +101,8 @@ def lr_schedule(config: TrainConfig):
 
 
 def step_flops(drafter: DFlashDrafter, rows: int, anchors: int, seq_len: int) -> float:
-    """Training FLOPs of one micro-batch (multiply-adds x 2): forward + backward of the trained matmuls (x3), the
-    frozen head's forward and input gradient (x2), and the fusion `fc` (forward + weight gradient, x2)."""
-    c = drafter.config
-    H, B, L = c.hidden_size, c.block_size, c.num_hidden_layers
-    hd = c.head_dim or H // c.num_attention_heads
-    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    blocks = rows * anchors * B  # block tokens
-    vocab = c.draft_vocab_size or c.vocab_size
-    per_layer = (blocks * (H * (q + 2 * kv) + q * H + 3 * H * c.intermediate_size)
-                 + rows * seq_len * H * 2 * kv  # context keys and values
-                 + blocks * c.num_attention_heads * hd * (seq_len + B) * 2)  # scores and weighted values
-    head = rows * anchors * (B - 1) * H * vocab
-    fc = rows * seq_len * c.num_taps * H * H
-    return 2.0 * (3 * L * per_layer + 2 * head + 2 * fc)
+    """Training FLOPs of one micro-batch (`recipe.step_flops`)."""
+    return recipe_step_flops(drafter.config, rows, anchors, seq_len)
 
 
 class Trainer:

@@ -6,11 +6,14 @@ order, so d2t is non-decreasing and non-negative. The reduced LM head starts as 
 
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from typing import TYPE_CHECKING, Iterable, Tuple
 
 import numpy as np
 
 from ..errors import DFlashError
+
+if TYPE_CHECKING:  # MLX is imported where the head is read, so the id maps work without it
+    import mlx.core as mx
 
 
 def select_vocab(tokens: np.ndarray, trainable: np.ndarray, size: int, vocab_size: int,

@@ -1,0 +1,115 @@
+"""The frozen target in PyTorch (transformers): its tapped features, greedy choices, embedding and head.
+
+A target is a Hugging Face folder (an mlx-lm fp32/bf16 folder is one: same names, same config) or a GGUF file,
+which transformers dequantizes itself (`gguf_file=`, needs the `gguf` package). Feature id k is the output of
+decoder layer k, `hidden_states[k + 1]` (index 0 is the embedding output), concatenated in the listed order: the
+drafter's contract.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import DFlashError
+
+
+class Target:
+    def __init__(self, model, tokenizer, taps: Sequence[int] = ()):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.taps = list(taps)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.config = cfg
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(h)
+
+    def head_rows(self, ids: np.ndarray) -> torch.Tensor:
+        """The head's weight rows [N, H] for target ids `ids` (tied or untied)."""
+        return self.model.get_output_embeddings().weight[torch.as_tensor(ids, device=self.device)].detach().float()
+
+    def output_gain(self) -> Optional[torch.Tensor]:
+        """The target's final-norm gain (norm of a vector of ones), the drafter's starting output norm (see
+        `dflash_mlx.train.command.output_scale`); None when the layout is unknown."""
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        if norm is None:
+            return None
+        with torch.no_grad():
+            ones = torch.ones(1, self.hidden_size, device=self.device, dtype=next(norm.parameters()).dtype)
+            return norm(ones)[0].float().cpu()
+
+    @torch.no_grad()
+    def features(self, tokens: torch.Tensor, taps: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(features [R, S, n*H] of the tapped layers, the target's argmax [R, S]) for token rows [R, S]."""
+        taps = self.taps if taps is None else list(taps)
+        out = self.model(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
+        hidden = out.hidden_states
+        feats = torch.cat([hidden[k + 1] for k in taps], dim=-1)
+        return feats, out.logits.argmax(-1)
+
+    @torch.no_grad()
+    def argmax_rows(self, tokens: np.ndarray, batch: int = 8) -> np.ndarray:
+        """The target's greedy choice at every position of every row, [N, S] int32 (labels for --labels target)."""
+        out = np.zeros(tokens.shape, dtype=np.int32)
+        for begin in range(0, len(tokens), batch):
+            ids = torch.as_tensor(tokens[begin : begin + batch], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits
+            out[begin : begin + batch] = logits.argmax(-1).cpu().numpy()
+        return out
+
+
+def load_target(ref: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Target:
+    """A target from a Hugging Face / mlx-lm folder or a `.gguf` file (dequantized by transformers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise DFlashError(f"target '{ref}' does not exist; pass a model folder or a .gguf file")
+    kwargs = {}
+    folder = path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise DFlashError(f"target '{ref}' is a file but not a .gguf; pass a model folder or a .gguf file")
+        folder, kwargs = path.parent, {"gguf_file": path.name}
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in transformers 4.56
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **{dtype_key: dtype}, **kwargs)
+    except (OSError, ValueError, ImportError) as e:
+        raise DFlashError(f"cannot load target '{ref}' with transformers: {' '.join(str(e).split())[:300]}") from None
+    return Target(model.to(device), tokenizer)
+
+
+def pick_device(name: Optional[str] = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda ({props.name}, {props.total_memory / 2 ** 30:.0f} GiB)"
+    return f"{device.type}"
+
+
+def eos_ids(tokenizer) -> List[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [int(eos)] if eos is not None else []
