@@ -5,6 +5,8 @@ drafter's inference forward, block by block; the rows, anchors and labels come f
 drafter trained in PyTorch loads with our loader and drafts for our engine, losslessly.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -78,3 +80,82 @@ def test_torch_checkpoint_round_trips_through_our_loader(tmp_path):
     for k in ours:
         np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(theirs[k]), err_msg=k)
     assert again.config.to_dict() == drafter.config.to_dict()
+
+
+# -- a run end to end: tiny Hugging Face target, PyTorch training, our converter, loader and engine ---------------
+def _tiny_hf_target(path):
+    """A 4-layer Qwen2 in a Hugging Face folder with a byte-level tokenizer (transformers rebuilds a Qwen2
+    tokenizer from its files as byte-level BPE): it loads in transformers and mlx-lm alike. Returns a folder of text data."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    # Printable ASCII only (space is "\u0120" in byte-level form), so any ids decode and encode back unchanged.
+    vocab = {c: i for i, c in enumerate(["\u0120"] + [chr(b) for b in range(33, 127)])}
+    vocab.update({"<eos>": len(vocab), "<mask>": len(vocab) + 1})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                            additional_special_tokens=["<mask>"]).save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(vocab) + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=vocab["<eos>"], initializer_range=0.2)  # + Qwen2's own <|endoftext|>
+    model = Qwen2ForCausalLM(config)
+    # A target whose greedy choice follows the last token through a fixed permutation (its layers add nothing and
+    # its head row perm(t) is t's embedding): its answers are chains a drafter can learn in a few hundred steps.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.01)
+            layer.mlp.down_proj.weight.mul_(0.01)
+        perm = torch.tensor(np.random.default_rng(1).permutation(95))
+        head = model.lm_head.weight
+        head[perm] = model.model.embed_tokens.weight[:95]
+    model.save_pretrained(path)
+    # The recipe's data: the target's own greedy answers (here to random 6-byte prompts).
+    rng = np.random.default_rng(0)
+    data = path.parent / "data"
+    data.mkdir()
+    prompts = torch.tensor(rng.integers(0, 95, (24, 6)))
+    with torch.no_grad():
+        out = model.generate(prompts, max_new_tokens=58, min_new_tokens=58, do_sample=False, pad_token_id=0,
+                             suppress_tokens=list(range(95, config.vocab_size)))  # no special tokens in the text
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    for i, row in enumerate(out.tolist()):
+        (data / f"doc{i}.txt").write_text(tokenizer.decode(row))
+    return data
+
+
+def test_a_drafter_trained_in_torch_drafts_for_our_engine_losslessly(tmp_path):
+    import mlx_lm
+
+    from dflash_mlx import generate, load
+    from dflash_mlx.loading import prepare
+    from dflash_mlx.torch_train.train import main
+    from dflash_mlx.train.trainer import held_out_tau
+    from convert.drafter import convert_drafter
+
+    data = _tiny_hf_target(tmp_path / "target")
+    out = tmp_path / "run"
+    common = ["--target", str(tmp_path / "target"), "--data", str(data), "--out", str(out), "--block-size", "4",
+              "--num-layers", "2", "--intermediate-size", "96", "--rows", "2", "--anchors", "16", "--seq-len", "64",
+              "--lr", "3e-3", "--eval-prompts", "4", "--eval-every", "0", "--dtype", "fp32", "--device", "cpu"]
+    assert main(common + ["--steps", "160", "--checkpoint-every", "80"]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert losses[-1] < 0.7 * losses[0], losses
+
+    convert_drafter(str(out), tmp_path / "converted", dtype="float32")
+    model, tokenizer, drafter = load(str(tmp_path / "target"), drafter=str(tmp_path / "converted"))
+    assert drafter.config.mask_token_id == 96  # the tokenizer's unused "<mask>"
+    prompts = json.loads((out / "eval_prompts.json").read_text())
+    untrained = tmp_path / "untrained"
+    assert main([*common[:5], str(untrained), *common[6:], "--steps", "1"]) == 0
+    _, _, raw = load(str(tmp_path / "target"), drafter=str(untrained))
+    trained_tau = held_out_tau(prepare(model, drafter), drafter, prompts, max_tokens=32)["tau"]
+    raw_tau = held_out_tau(prepare(model, raw), raw, prompts, max_tokens=32)["tau"]
+    print(f"held-out tau: trained {trained_tau:.2f}, untrained {raw_tau:.2f}")
+    assert trained_tau > raw_tau + 1.0, (trained_tau, raw_tau)
+    for prompt in prompts:  # lossless: the engine with this drafter writes what mlx-lm writes alone
+        want = mlx_lm.generate(model, tokenizer, prompt, max_tokens=32)
+        assert generate(model, tokenizer, prompt, drafter, max_tokens=32) == want
