@@ -224,18 +224,24 @@ def convert_tensor(tensor, spec: ArchSpec, config: Dict[str, Any]) -> np.ndarray
     return w
 
 
-def read_weights(gguf: GGUFFile, spec: ArchSpec, config: Dict[str, Any], dtype: str, progress: bool = True):
-    """All tensors as mlx arrays under mlx-lm names, cast to `dtype`."""
-    import mlx.core as mx
+def converted_tensors(gguf: GGUFFile, spec: ArchSpec, config: Dict[str, Any], progress: bool = True):
+    """(Hugging Face / mlx-lm name, fp32 numpy array) for every tensor the model keeps, one at a time."""
     from tqdm import tqdm
 
-    weights = {}
     for tensor in tqdm(gguf.reader.tensors, desc=f"dequantizing {gguf.path.name}", unit="tensor",
                        disable=not progress):
         name = hf_name(tensor.name, spec)
-        if name is None:
-            continue
-        w = mx.array(convert_tensor(tensor, spec, config)).astype(getattr(mx, dtype))
+        if name is not None:
+            yield name, convert_tensor(tensor, spec, config)
+
+
+def read_weights(gguf: GGUFFile, spec: ArchSpec, config: Dict[str, Any], dtype: str, progress: bool = True):
+    """All tensors as mlx arrays under mlx-lm names, cast to `dtype`."""
+    import mlx.core as mx
+
+    weights = {}
+    for name, value in converted_tensors(gguf, spec, config, progress):
+        w = mx.array(value).astype(getattr(mx, dtype))
         mx.eval(w)  # materialize now so the numpy temporaries are freed tensor by tensor
         weights[name] = w
     return weights
@@ -369,6 +375,33 @@ def convert_gguf(
     with output_dir(out, force, sources=[gguf.path]) as tmp:
         save_model(tmp, model, donate_model=True)
         save_config(config, tmp / "config.json")
+        save_tokenizer(tokenizer, tmp)
+    return out
+
+
+def convert_gguf_to_hf(path: Union[str, Path], out: Union[str, Path], *, progress: bool = True,
+                       force: bool = False) -> Path:
+    """The same conversion without MLX: fp32 weights under Hugging Face names, the config and the tokenizer, in a
+    folder that transformers loads (`dflash_mlx.torch_train` reads GGUF targets so, on machines without MLX).
+
+    The weights are exactly those `convert_gguf(..., dtype="float32")` gives mlx-lm (same dequantization, same
+    layout fixes); tied heads stay tied (`tie_word_embeddings`), as in the GGUF.
+    """
+    from safetensors.numpy import save_file
+
+    source = Path(path).expanduser()
+    out = check_output_dir(out, force, sources=[source] if source.is_file() else [])
+    gguf = GGUFFile(path)
+    spec = arch_spec(gguf)
+    check_types(gguf)
+    config = build_config(gguf, spec)
+    config["torch_dtype"] = "float32"
+    tokenizer = build_tokenizer(gguf)
+    weights = {name: np.ascontiguousarray(value, dtype=np.float32)
+               for name, value in converted_tensors(gguf, spec, config, progress)}
+    with output_dir(out, force, sources=[gguf.path]) as tmp:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_tokenizer(tokenizer, tmp)
     return out
 

@@ -309,6 +309,33 @@ def test_tiny_model_round_trip(tmp_path, arch):
     assert text == "<|im_start|>user\nhi<|im_end|>\n"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hugging_face_folder_without_mlx_holds_the_same_model(tmp_path, arch):
+    """`convert_gguf_to_hf` (numpy only, for PyTorch machines) writes the fp32 weights `convert_gguf` gives mlx-lm,
+    and transformers computes the same logits from that folder."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_mlx.convert.gguf import convert_gguf_to_hf
+    from safetensors.numpy import load_file
+
+    model = _tiny(arch)
+    path = _export(model, CONFIGS[arch], arch, tmp_path / f"{arch}.gguf", qtype=T.Q8_0)
+    mlx_dir = convert_gguf(path, tmp_path / "mlx", progress=False)
+    hf_dir = convert_gguf_to_hf(path, tmp_path / "hf", progress=False)
+    ours = dict(tree_flatten(mlx_lm_load(str(mlx_dir))[0].parameters()))
+    theirs = load_file(str(hf_dir / "model.safetensors"))
+    assert set(theirs) == set(ours)
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(value, np.array(ours[name]), err_msg=name)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    ids = [5, 17, 250, 3, 99, 120, 7]
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(logits, np.array(mlx_lm_load(str(mlx_dir))[0](mx.array([ids]))[0]), atol=1e-4, rtol=1e-4)
+    assert AutoTokenizer.from_pretrained(str(hf_dir)).encode("hehe", add_special_tokens=False) == [256, 256]
+
+
 def test_quantized_blocks_and_requantized_output(tmp_path):
     import mlx.nn as nn
     from mlx.utils import tree_unflatten

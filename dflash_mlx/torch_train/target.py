@@ -1,7 +1,7 @@
 """The frozen target in PyTorch (transformers): its tapped features, greedy choices, embedding and head.
 
 A target is a Hugging Face folder (an mlx-lm fp32/bf16 folder is one: same names, same config) or a GGUF file,
-which transformers dequantizes itself (`gguf_file=`, needs the `gguf` package). Feature id k is the output of
+converted once into such a folder beside it by dflash-mlx's own converter (numpy and the `gguf` package). Feature id k is the output of
 decoder layer k, `hidden_states[k + 1]` (index 0 is the embedding output), concatenated in the listed order: the
 drafter's contract.
 """
@@ -9,7 +9,7 @@ drafter's contract.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,6 +27,10 @@ class Target:
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.config = cfg
+        # Every id that ends an answer: the tokenizer's EOS and the model's generation config's (often several).
+        gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        gen = [gen] if isinstance(gen, int) else list(gen or [])
+        self.eos = sorted({int(i) for i in gen + [getattr(tokenizer, "eos_token_id", None)] if i is not None})
 
     @property
     def device(self) -> torch.device:
@@ -79,22 +83,32 @@ def load_target(ref: str, device: torch.device, dtype: torch.dtype = torch.bfloa
     path = Path(ref).expanduser()
     if not path.exists():
         raise DFlashError(f"target '{ref}' does not exist; pass a model folder or a .gguf file")
-    kwargs = {}
     folder = path
     if path.is_file():
         if path.suffix != ".gguf":
             raise DFlashError(f"target '{ref}' is a file but not a .gguf; pass a model folder or a .gguf file")
-        folder, kwargs = path.parent, {"gguf_file": path.name}
+        folder = gguf_folder(path)
     import transformers
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     dtype_key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in transformers 4.56
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **{dtype_key: dtype}, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **{dtype_key: dtype})
     except (OSError, ValueError, ImportError) as e:
         raise DFlashError(f"cannot load target '{ref}' with transformers: {' '.join(str(e).split())[:300]}") from None
     return Target(model.to(device), tokenizer)
+
+
+def gguf_folder(path: Path) -> Path:
+    """The Hugging Face folder converted from the GGUF file `path` (beside it, `NAME.hf/`), made on first use with
+    dflash-mlx's own GGUF converter (numpy only): the same fp32 weights the MLX side loads."""
+    folder = path.with_suffix(".hf")
+    if not (folder / "config.json").is_file():
+        from ..convert.gguf import convert_gguf_to_hf
+
+        convert_gguf_to_hf(path, folder, force=folder.exists())
+    return folder
 
 
 def pick_device(name: Optional[str] = None) -> torch.device:
@@ -108,8 +122,3 @@ def describe(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return f"cuda ({props.name}, {props.total_memory / 2 ** 30:.0f} GiB)"
     return f"{device.type}"
-
-
-def eos_ids(tokenizer) -> List[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return [int(eos)] if eos is not None else []

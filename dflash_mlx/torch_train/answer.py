@@ -1,0 +1,90 @@
+"""`python -m dflash_mlx.torch_train.answer`: the target answers prompts (greedy, batched, in PyTorch).
+
+The recipe trains on the target's own answers. This writes them as chat records, one
+`{"messages": [..., {"role": "assistant", "content": ...}]}` per line, the format `examples/answer_prompts.py`
+writes with MLX and both trainers read. Prompts are any records `dflash_mlx.train.data` reads (`messages`,
+`conversations`, `prompt`); a record's first assistant turn and what follows are dropped and answered anew.
+`--minutes` stops starting new batches after that long, so a run fits a time budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from ..errors import DFlashError
+from ..train.data import chat_document, eos_id, read_records, record_messages
+from .target import load_target, pick_device
+
+
+def answer_batch(target, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
+    """Greedy answers (token ids, up to and without EOS) to `prompts`, decoded together with left padding."""
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos_id(tok)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = target.model.generate(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
+                                    max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+    eos = set(target.eos)
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_mlx.torch_train.answer", description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="Hugging Face / mlx-lm model folder, or a .gguf file")
+    p.add_argument("--prompts", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--max-tokens", type=int, default=320, help="longest answer, in tokens")
+    p.add_argument("--batch", type=int, default=128, help="prompts decoded together")
+    p.add_argument("--minutes", type=float, default=None, help="stop starting new batches after this long")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    try:
+        device = pick_device(args.device)
+        target = load_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        tok = target.tokenizer
+        chats = []
+        for record in read_records(args.prompts):
+            messages = record_messages(record) or []
+            firsts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            messages = messages[: firsts[0]] if firsts else messages
+            doc = chat_document(tok, messages)
+            if doc is not None:
+                chats.append((messages, doc.prompt))
+        chats.sort(key=lambda c: len(c[1]))  # similar lengths together: less padding
+        tic, written, tokens = time.perf_counter(), 0, 0
+        with args.out.open("w") as f:
+            for begin in range(0, len(chats), args.batch):
+                if args.minutes is not None and time.perf_counter() - tic > 60 * args.minutes:
+                    break
+                batch = chats[begin : begin + args.batch]
+                for (messages, _), answer in zip(batch, answer_batch(target, [c[1] for c in batch], args.max_tokens)):
+                    reply = {"role": "assistant", "content": tok.decode(answer)}
+                    f.write(json.dumps({"messages": messages + [reply]}) + "\n")
+                    written, tokens = written + 1, tokens + len(answer)
+                f.flush()
+                seconds = time.perf_counter() - tic
+                print(f"{written}/{len(chats)} answered, {tokens} tokens, {tokens / seconds:.0f} tok/s", flush=True)
+        return 0
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
