@@ -95,8 +95,9 @@ def _tiny_hf_target(path):
     vocab.update({"<eos>": len(vocab), "<mask>": len(vocab) + 1})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer, tok.decoder = ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
-                            additional_special_tokens=["<mask>"]).save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", additional_special_tokens=["<mask>"])
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(vocab) + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -159,3 +160,23 @@ def test_a_drafter_trained_in_torch_drafts_for_our_engine_losslessly(tmp_path):
     for prompt in prompts:  # lossless: the engine with this drafter writes what mlx-lm writes alone
         want = mlx_lm.generate(model, tokenizer, prompt, max_tokens=32)
         assert generate(model, tokenizer, prompt, drafter, max_tokens=32) == want
+
+
+def test_torch_answers_are_the_targets_greedy_output(tmp_path):
+    import mlx_lm
+
+    from dflash_mlx.torch_train.answer import main
+
+    _tiny_hf_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    asks = ["abc", "xyz+1", "Hello"]
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": a}]}) + "\n" for a in asks))
+    out = tmp_path / "answers.jsonl"
+    assert main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--out", str(out),
+                 "--max-tokens", "12", "--batch", "2", "--device", "cpu"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    model, tokenizer = mlx_lm.load(str(tmp_path / "target"))
+    assert sorted(r["messages"][0]["content"] for r in records) == sorted(asks)
+    for r in records:  # batched with left padding in PyTorch = one prompt alone in mlx-lm
+        want = mlx_lm.generate(model, tokenizer, tokenizer.encode(r["messages"][0]["content"] + " "), max_tokens=12)
+        assert r["messages"][1] == {"role": "assistant", "content": want}
