@@ -9,7 +9,7 @@ drafter's contract.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -57,19 +57,19 @@ class Target:
             return norm(ones)[0].float().cpu()
 
     @torch.no_grad()
-    def features(self, tokens: torch.Tensor, taps: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(features [R, S, n*H] of the tapped layers, the target's argmax [R, S]) for token rows [R, S]."""
+    def features(self, tokens: torch.Tensor, taps: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Features [R, S, n*H] of the tapped layers for token rows [R, S] (the decoder alone: no head, no logits)."""
         taps = self.taps if taps is None else list(taps)
-        out = self.model(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
-        hidden = out.hidden_states
-        feats = torch.cat([hidden[k + 1] for k in taps], dim=-1)
-        return feats, out.logits.argmax(-1)
+        out = self.model.get_decoder()(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
+        return torch.cat([out.hidden_states[k + 1] for k in taps], dim=-1)
 
     @torch.no_grad()
-    def argmax_rows(self, tokens: np.ndarray, batch: int = 8) -> np.ndarray:
+    def argmax_rows(self, tokens: np.ndarray, batch: int = 16, progress: bool = False) -> np.ndarray:
         """The target's greedy choice at every position of every row, [N, S] int32 (labels for --labels target)."""
+        from tqdm import tqdm
+
         out = np.zeros(tokens.shape, dtype=np.int32)
-        for begin in range(0, len(tokens), batch):
+        for begin in tqdm(range(0, len(tokens), batch), desc="target labels", unit="batch", disable=not progress):
             ids = torch.as_tensor(tokens[begin : begin + batch], dtype=torch.long, device=self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits
             out[begin : begin + batch] = logits.argmax(-1).cpu().numpy()

@@ -114,7 +114,7 @@ class Run:
         self.argmax = None
         if args.labels == "target":
             tic = time.perf_counter()
-            self.argmax = self.target.argmax_rows(self.tokens)
+            self.argmax = self.target.argmax_rows(self.tokens, progress=sys.stderr.isatty())
             log(f"target labels: {self.tokens.size} tokens in {time.perf_counter() - tic:.1f} s")
         self.model, self.config = self._build_drafter()
         self.target.taps = list(self.config.target_layer_ids)
@@ -182,7 +182,7 @@ class Run:
 
     def loss(self, batch: Dict[str, torch.Tensor]):
         """(weighted mean cross-entropy, slot-1 accuracy, block τ) of one micro-batch."""
-        features, _ = self.target.features(batch["tokens"])
+        features = self.target.features(batch["tokens"])
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             h = self.forward(features, batch["tokens"], batch["anchors"], self.target.embed)
             logits = self.model.logits(h, self.target.head).float()
