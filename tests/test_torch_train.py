@@ -180,3 +180,23 @@ def test_torch_answers_are_the_targets_greedy_output(tmp_path):
     for r in records:  # batched with left padding in PyTorch = one prompt alone in mlx-lm
         want = mlx_lm.generate(model, tokenizer, tokenizer.encode(r["messages"][0]["content"] + " "), max_tokens=12)
         assert r["messages"][1] == {"role": "assistant", "content": want}
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    from safetensors.numpy import load_file
+
+    from dflash_mlx.torch_train.train import main
+
+    data = _tiny_hf_target(tmp_path / "target")
+    common = ["--target", str(tmp_path / "target"), "--data", str(data), "--block-size", "4", "--num-layers", "1",
+              "--intermediate-size", "64", "--rows", "2", "--anchors", "8", "--seq-len", "64", "--eval-prompts", "2",
+              "--eval-every", "0", "--dtype", "fp32", "--device", "cpu", "--draft-vocab", "64"]
+    assert main(common + ["--out", str(tmp_path / "whole"), "--steps", "6"]) == 0
+    assert main(common + ["--out", str(tmp_path / "cut"), "--steps", "6", "--checkpoint-every", "3",
+                          "--minutes", "0.00001"]) == 0  # stops after its first step: the deadline has passed
+    assert json.loads((tmp_path / "cut/log.jsonl").read_text().splitlines()[-1])["step"] < 6
+    assert main(common + ["--out", str(tmp_path / "cut"), "--resume", "--steps", "6"]) == 0
+    whole, cut = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("whole", "cut"))
+    for name in whole:
+        np.testing.assert_array_equal(whole[name], cut[name], err_msg=name)
+    assert main(common + ["--out", str(tmp_path / "whole"), "--steps", "6"]) == 2  # a run is there: --resume or not
