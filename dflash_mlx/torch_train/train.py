@@ -307,7 +307,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rate = run.slots / max(run.elapsed, 1e-9)
                 log(f"step {run.step}/{run.steps} loss {stats['loss']:.3f} acc1 {stats['acc1']:.3f} "
                     f"tau {stats['tau']:.2f} lr {stats['lr']:.2e} | {rate:.0f} slots/s, "
-                    f"{run.flops / max(run.elapsed, 1e-9) / 1e12:.1f} TFLOP/s")
+                    f"{run.flops / max(run.elapsed, 1e-9) / 1e12:.2f} TFLOP/s")
                 history.write(json.dumps(dict(stats, slots=run.slots, flops=run.flops, seconds=run.elapsed)) + "\n")
             if (args.eval_every and run.step % args.eval_every == 0) or done:
                 ev = run.evaluate()
