@@ -18,6 +18,7 @@
 #   ROUTE=torch bash benchmarks/gpu_train.sh start  # the background job: answers, training, packing
 #   bash benchmarks/gpu_train.sh wait SECONDS       # follow it (returns when it ends)
 #   bash benchmarks/gpu_train.sh ship DEST [K]      # the K-th load (0, 1, ...) of pieces to bring back
+#   bash benchmarks/gpu_train.sh bench              # if MLX runs on the GPU: `dflash-mlx bench` there, oracle too
 # Settings (environment): ROUTE (torch|mlx), ANSWER_MIN, ANSWER_TOKENS, ANSWER_BATCH, TRAIN_MIN, TRAIN_FLAGS,
 # TORCH_FLAGS, DATA_TOKENS, MEASURE_TOKENS, WORK, LOAD_MIB, PIECE_MIB.
 set -euo pipefail
@@ -244,6 +245,12 @@ pipeline_mlx() {
     stamp "pipeline done in $(( $(date +%s) - t0 )) s"
 }
 
+bench_gpu() {  # MLX on CUDA: the default pair's bench there (oracle and the new drafter) with the pass costs
+    [ -f "$WORK/target.mlx/config.json" ] || "${DFLASH[@]}" convert --gguf "$WORK/target.gguf" "$WORK/target.mlx" --dtype fp32
+    "${DFLASH[@]}" bench --model "$WORK/target.mlx" --draft "$WORK/run" --num-prompts 20 --max-tokens 128 --oracle \
+        --profile-prompts 3 --verify-prompts 3 2>&1 | tr '\r' '\n' | grep -v "^$" | tail -40
+}
+
 pack() {  # loads to bring back: load 0 = metadata + the first pieces of the drafter (bf16), then the rest
     local ship=$WORK/ship
     rm -rf "$ship" && mkdir -p "$ship/bf16"
@@ -276,6 +283,7 @@ case "${1:-}" in
     pipeline-torch) pipeline_torch ;;
     pipeline-mlx) pipeline_mlx ;;
     pack) pack ;;
+    bench) bench_gpu ;;
     wait)
         end=$(( $(date +%s) + ${2:-60} ))
         while [ "$(date +%s)" -lt "$end" ] && ! grep -q "pipeline done\|Error\|Traceback\|^error" "$WORK/job.log"; do
@@ -283,5 +291,5 @@ case "${1:-}" in
         done
         tail -c 3000 "$WORK/job.log" | tr '\r' '\n' | tail -25 ;;
     ship) ship "$2" "${3:-0}" ;;
-    *) sed -n '2,24p' "$0"; exit 2 ;;
+    *) sed -n '2,23p' "$0"; exit 2 ;;
 esac
