@@ -200,3 +200,36 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
     for name in whole:
         np.testing.assert_array_equal(whole[name], cut[name], err_msg=name)
     assert main(common + ["--out", str(tmp_path / "whole"), "--steps", "6"]) == 2  # a run is there: --resume or not
+
+
+def test_the_pytorch_target_from_a_real_gguf_is_ours(tmp_path):
+    """SmolLM2-135M's GGUF through the PyTorch trainer's loader (our numpy converter, then transformers) gives the
+    features and greedy choices our MLX target computes from the same file."""
+    import os
+    import shutil
+
+    from dflash_mlx.errors import DFlashError
+    from dflash_mlx.loading import load_target as mlx_load
+    from dflash_mlx.offline_models import ensure_gguf, ensure_offline_model
+    from dflash_mlx.targets import TargetModel
+    from dflash_mlx.torch_train.target import load_target
+
+    try:
+        folder = ensure_offline_model("smollm2-135m", progress=False, quiet=True)
+        source = ensure_gguf("smollm2-135m", progress=False, quiet=True)
+    except DFlashError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"offline model smollm2-135m is not available here: {e}")
+    gguf = tmp_path / "smollm2.gguf"
+    shutil.copy(source, gguf)  # the PyTorch folder is made beside it
+    target = load_target(str(gguf), torch.device("cpu"), torch.float32)
+    model, tokenizer = mlx_load(folder)
+    ids = tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    assert target.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n") == ids
+    taps = [1, 10, 20]
+    theirs = target.features(torch.tensor([ids]), taps)[0].numpy()
+    logits, hidden = TargetModel(model, taps)(mx.array([ids]))
+    scale = np.abs(np.asarray(hidden[0])).max()
+    assert np.abs(theirs - np.asarray(hidden[0])).max() < 1e-4 * scale
+    np.testing.assert_array_equal(target.argmax_rows(np.array([ids]))[0], np.asarray(logits[0].argmax(-1)))
