@@ -286,9 +286,10 @@ def build_tokenizer(gguf: GGUFFile):
                (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unk_token_id"),
                 ("pad_token", "pad_token_id")) if tok.get(key) is not None and tok[key] < len(tokens)}
     add_bos = gguf.get("tokenizer.ggml.add_bos_token", tok.get("tokenizer_type") == "llama")
+    # transformers 4 also returns clean_up_tokenization_spaces among the extras: ours (False) wins.
     kwargs = {k: v for k, v in (extra or {}).items() if k not in special}
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
-                                 **special, **kwargs)
+    kwargs["clean_up_tokenization_spaces"] = False
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **special, **kwargs)
     _set_add_bos(hf, bool(add_bos), special.get("bos_token"))
     template = gguf.get("tokenizer.chat_template")
     if template:
