@@ -14,7 +14,7 @@
 # On the GPU machine, from the repository root, one stage per command (carry DEST/NN with the receive commands):
 #   bash benchmarks/gpu_train.sh receive DEST/NN    # once per load
 #   bash benchmarks/gpu_train.sh setup              # install, join the GGUF, convert it, unpack the data
-#   bash benchmarks/gpu_train.sh measure            # both routes on the same small run: slots/s each
+#   bash benchmarks/gpu_train.sh measure            # both routes (torch eager and compiled) on one small run: slots/s
 #   ROUTE=torch bash benchmarks/gpu_train.sh start  # the background job: answers, training, packing
 #   bash benchmarks/gpu_train.sh wait SECONDS       # follow it (returns when it ends)
 #   bash benchmarks/gpu_train.sh ship DEST [K]      # the K-th load (0, 1, ...) of pieces to bring back
@@ -180,11 +180,15 @@ PY
 measure() {  # the same drafter on the same small data for a few steps, each route: slots per second
     local small=$WORK/measure
     mkdir -p "$small"
-    stamp "route (b), PyTorch"
-    rm -rf "$small/torch"
-    # shellcheck disable=SC2086
-    "$PY" -m dflash_mlx.torch_train --target "$WORK/target.hf" --data "$WORK/data/code" --out "$small/torch" \
-        $TORCH_FLAGS --max-data-tokens "$MEASURE_TOKENS" --steps 12 --eval-every 0 --checkpoint-every 0 2>&1 | tail -4
+    local compile
+    for compile in "" --compile; do
+        stamp "route (b), PyTorch ${compile:-(eager)}"
+        rm -rf "$small/torch"
+        # shellcheck disable=SC2086
+        "$PY" -m dflash_mlx.torch_train --target "$WORK/target.hf" --data "$WORK/data/code" --out "$small/torch" \
+            $TORCH_FLAGS --max-data-tokens "$MEASURE_TOKENS" --steps 12 --eval-every 0 --checkpoint-every 0 \
+            $compile 2>&1 | tail -3
+    done
     stamp "route (a), MLX on CUDA"
     rm -rf "$small/mlx" "$small/mlx-cache"
     [ -f "$WORK/target.mlx/config.json" ] || "${DFLASH[@]}" convert --gguf "$WORK/target.gguf" "$WORK/target.mlx" --dtype fp32
