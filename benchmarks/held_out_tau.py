@@ -17,18 +17,11 @@ from typing import List
 
 
 def read_prompts(path: Path, tokenizer) -> List[List[int]]:
-    from dflash_mlx.train.data import chat_document, read_records, record_messages
+    from dflash_mlx.train.data import prompt_chats
 
     if path.suffix == ".json":
         return [list(map(int, p)) for p in json.loads(path.read_text())]
-    prompts = []
-    for record in read_records(path):
-        messages = record_messages(record) or []
-        firsts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        doc = chat_document(tokenizer, messages[: firsts[0]] if firsts else messages)
-        if doc is not None:
-            prompts.append(doc.prompt)
-    return prompts
+    return [doc.prompt for _, doc in prompt_chats(tokenizer, path)]
 
 
 def main(argv=None) -> int:

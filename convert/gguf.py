@@ -320,6 +320,19 @@ def save_tokenizer(hf, out: Path) -> None:
 
 
 # -- the whole conversion -----------------------------------------------------------------------------------
+def _open(path, out, force: bool, dtype: str):
+    """Check `out`, read the file's metadata and tokenizer: (out, gguf, spec, config, tokenizer)."""
+    # --force deletes the old `out`: it must not hold the GGUF file being read.
+    source = Path(path).expanduser()
+    out = check_output_dir(out, force, sources=[source] if source.is_file() else [])
+    gguf = GGUFFile(path)
+    spec = arch_spec(gguf)
+    check_types(gguf)
+    config = build_config(gguf, spec)
+    config["torch_dtype"] = dtype
+    return out, gguf, spec, config, build_tokenizer(gguf)
+
+
 def convert_gguf(
     path: Union[str, Path],
     out: Union[str, Path],
@@ -348,17 +361,7 @@ def convert_gguf(
         raise DFlashError(f"--q-bits must be 4 or 8, got {q_bits}")
     if q_bits is not None and q_group_size not in (32, 64, 128):
         raise DFlashError(f"--q-group-size must be 32, 64 or 128, got {q_group_size}")
-    # --force deletes the old `out`: it must not hold the GGUF file being read.
-    source = Path(path).expanduser()
-    out = check_output_dir(out, force, sources=[source] if source.is_file() else [])
-
-    gguf = GGUFFile(path)
-    spec = arch_spec(gguf)
-    check_types(gguf)
-    config = build_config(gguf, spec)
-    config["torch_dtype"] = dtype
-    tokenizer = build_tokenizer(gguf)
-
+    out, gguf, spec, config, tokenizer = _open(path, out, force, dtype)
     weights = read_weights(gguf, spec, config, dtype, progress)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -390,14 +393,7 @@ def convert_gguf_to_hf(path: Union[str, Path], out: Union[str, Path], *, progres
     """
     from safetensors.numpy import save_file
 
-    source = Path(path).expanduser()
-    out = check_output_dir(out, force, sources=[source] if source.is_file() else [])
-    gguf = GGUFFile(path)
-    spec = arch_spec(gguf)
-    check_types(gguf)
-    config = build_config(gguf, spec)
-    config["torch_dtype"] = "float32"
-    tokenizer = build_tokenizer(gguf)
+    out, gguf, spec, config, tokenizer = _open(path, out, force, "float32")
     weights = {name: np.ascontiguousarray(value, dtype=np.float32)
                for name, value in converted_tensors(gguf, spec, config, progress)}
     with output_dir(out, force, sources=[gguf.path]) as tmp:

@@ -30,17 +30,10 @@ def main(argv: List[str] = None) -> None:
     args = parser.parse_args(argv)
 
     from dflash_mlx.loading import load_target, resolve_target
-    from dflash_mlx.train.data import chat_document, eos_id, read_records, record_messages, regenerate
+    from dflash_mlx.train.data import eos_id, prompt_chats, regenerate
 
     model, tokenizer = load_target(resolve_target(args.target))
-    chats = []
-    for record in read_records(args.prompts):
-        messages = record_messages(record) or []
-        firsts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        messages = messages[: firsts[0]] if firsts else messages
-        doc = chat_document(tokenizer, messages)
-        if doc is not None:
-            chats.append((messages, doc))
+    chats = prompt_chats(tokenizer, args.prompts)
     eos = eos_id(tokenizer)
     tic, written, tokens = time.perf_counter(), 0, 0
     with args.out.open("w") as f:

@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 
 from ..errors import DFlashError
-from ..train.data import chat_document, eos_id, read_records, record_messages
+from ..train.data import eos_id, prompt_chats
 from .target import load_target, pick_device
 
 
@@ -58,22 +58,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = pick_device(args.device)
         target = load_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         tok = target.tokenizer
-        chats = []
-        for record in read_records(args.prompts):
-            messages = record_messages(record) or []
-            firsts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-            messages = messages[: firsts[0]] if firsts else messages
-            doc = chat_document(tok, messages)
-            if doc is not None:
-                chats.append((messages, doc.prompt))
-        chats.sort(key=lambda c: len(c[1]))  # similar lengths together: less padding
+        chats = prompt_chats(tok, args.prompts)
+        chats.sort(key=lambda c: len(c[1].prompt))  # similar lengths together: less padding
         tic, written, tokens = time.perf_counter(), 0, 0
         with args.out.open("w") as f:
             for begin in range(0, len(chats), args.batch):
                 if args.minutes is not None and time.perf_counter() - tic > 60 * args.minutes:
                     break
                 batch = chats[begin : begin + args.batch]
-                for (messages, _), answer in zip(batch, answer_batch(target, [c[1] for c in batch], args.max_tokens)):
+                for (messages, _), answer in zip(batch, answer_batch(target, [doc.prompt for _, doc in batch], args.max_tokens)):
                     reply = {"role": "assistant", "content": tok.decode(answer)}
                     f.write(json.dumps({"messages": messages + [reply]}) + "\n")
                     written, tokens = written + 1, tokens + len(answer)

@@ -166,6 +166,21 @@ def chat_document(tokenizer, messages: List[Dict[str, str]]) -> Optional[Documen
     return Document(tokens, trainable, prompt, chat=True)
 
 
+def prompt_chats(tokenizer, path: Path) -> List[Tuple[List[Dict[str, str]], Document]]:
+    """Prompts to answer: each record's turns before its first assistant turn, and their document (a chat with no
+    answer yet: `.prompt` holds the rendered ids, generation prompt included). Records without a user turn are
+    skipped."""
+    chats = []
+    for record in read_records(path):
+        messages = record_messages(record) or []
+        firsts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        messages = messages[: firsts[0]] if firsts else messages
+        doc = chat_document(tokenizer, messages)
+        if doc is not None:
+            chats.append((messages, doc))
+    return chats
+
+
 def text_document(tokenizer, text: str, prompt_tokens: int) -> Optional[Document]:
     tokens = _encode(tokenizer, text, True) + [eos_id(tokenizer)]
     if len(tokens) < 4:
