@@ -156,7 +156,7 @@ class Run:
                 if self.argmax is not None:  # argmax[p] labels position p + 1
                     labels, keep = self.argmax[:, :-1], self.trainable[:, 1:]
                 ids = select_vocab(labels, keep, config.draft_vocab_size, config.vocab_size,
-                                   always=[eos_id(target.tokenizer)])
+                                   always=target.eos or [eos_id(target.tokenizer)])  # every id that ends an answer
                 model.d2t.copy_(torch.as_tensor(maps(ids, config.vocab_size)[0]))
                 model.lm_head.weight.data.copy_(target.head_rows(ids))
         self.d2t = model.d2t.numpy().astype(np.int64) if config.draft_vocab_size else None
