@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -68,12 +69,15 @@ class PrefixStore:
         self.folder, self.pair, self.max_bytes = Path(folder), pair, max(0, int(max_bytes))
         self.entries: Dict[Tuple[int, ...], _Stored] = {}
         self.loads = self.writes = 0
+        self._last_use = 0  # ns: the last time stamp given, so every use gets a later one than the one before
         for path in sorted(self.folder.glob(f"{PREFIX}*{SUFFIX}")):
             meta = _metadata(path)
             if meta is None or meta.get(MARK) != "1" or meta.get("pair") != self.pair:
                 continue
             key = tuple(json.loads(meta["key"]))
-            self.entries[key] = _Stored(key, path, meta["cuttable"] == "1", path.stat().st_size)
+            stat = path.stat()
+            self.entries[key] = _Stored(key, path, meta["cuttable"] == "1", stat.st_size)
+            self._last_use = max(self._last_use, stat.st_mtime_ns)
 
     # -- reading -------------------------------------------------------------------------------------------------
     def best(self, tokens: Sequence[int], limit: int) -> Tuple[int, Optional[_Stored]]:
@@ -104,7 +108,7 @@ class PrefixStore:
             logger.warning("prompt cache file %s could not be read (%s); skipping it", stored.path, e)
             self.entries.pop(stored.key, None)
             return None
-        os.utime(stored.path)  # recently used: the last to be dropped when the folder is over its budget
+        self._touch(stored.path)  # recently used: the last to be dropped when the folder is over its budget
         self.loads += 1
         return snapshot
 
@@ -128,6 +132,7 @@ class PrefixStore:
         try:
             save_prompt_cache(str(tmp), caches, meta)
             os.replace(tmp, path)
+            self._touch(path)
         except Exception as e:
             tmp.unlink(missing_ok=True)
             logger.warning("could not write the prompt cache entry to %s (%s)", self.folder, e)
@@ -136,13 +141,21 @@ class PrefixStore:
         self.writes += 1
         self._keep_budget(keep=key)
 
+    def _touch(self, path: Path) -> None:
+        """Stamp `path` as used now, strictly after the previous use. The kernel's own "now" (a plain utime or a
+        write) is coarse (a clock tick), so two uses in one tick would tie and the least recently used order
+        would be lost; explicit stamps keep it, also across restarts (the order is read back from mtimes)."""
+        now = max(time.time_ns(), self._last_use + 1)
+        self._last_use = now
+        os.utime(path, ns=(now, now))
+
     def _keep_budget(self, keep: Tuple[int, ...]) -> None:
         """Delete our least recently used files while the folder's entries exceed the budget."""
-        def used(stored: _Stored) -> float:
+        def used(stored: _Stored) -> int:
             try:
-                return stored.path.stat().st_mtime
+                return stored.path.stat().st_mtime_ns
             except OSError:
-                return 0.0
+                return 0
 
         total = sum(s.nbytes for s in self.entries.values())
         for stored in sorted(self.entries.values(), key=used):
