@@ -13,7 +13,6 @@ by `--minutes` keeps every finished batch. `dflash-mlx train --data ANSWERS.json
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import List
@@ -30,27 +29,20 @@ def main(argv: List[str] = None) -> None:
     args = parser.parse_args(argv)
 
     from dflash_mlx.loading import load_target, resolve_target
-    from dflash_mlx.train.data import eos_id, prompt_chats, regenerate
+    from dflash_mlx.train.data import eos_id, prompt_chats, regenerate, write_answers
 
     model, tokenizer = load_target(resolve_target(args.target))
     chats = prompt_chats(tokenizer, args.prompts)
     eos = eos_id(tokenizer)
-    tic, written, tokens = time.perf_counter(), 0, 0
-    with args.out.open("w") as f:
-        for begin in range(0, len(chats), args.batch):
-            if args.minutes is not None and time.perf_counter() - tic > 60 * args.minutes:
-                break
-            batch = chats[begin : begin + args.batch]
-            answered = regenerate(model, tokenizer, [doc for _, doc in batch], max_tokens=args.max_tokens,
-                                  batch_size=args.batch, progress=False)
-            for (messages, _), doc in zip(batch, answered):
-                answer = [t for t, keep in zip(doc.tokens, doc.trainable) if keep and t != eos]
-                reply = {"role": "assistant", "content": tokenizer.decode(answer)}
-                f.write(json.dumps({"messages": messages + [reply]}) + "\n")
-                written, tokens = written + 1, tokens + len(answer)
-            f.flush()
-            seconds = time.perf_counter() - tic
-            print(f"{written}/{len(chats)} answered, {tokens} tokens, {tokens / seconds:.0f} tok/s", flush=True)
+
+    def answer(docs):
+        answered = regenerate(model, tokenizer, docs, max_tokens=args.max_tokens, batch_size=args.batch,
+                              progress=False)
+        return [[t for t, keep in zip(d.tokens, d.trainable) if keep and t != eos] for d in answered]
+
+    tic = time.perf_counter()
+    written, tokens = write_answers(chats, answer, tokenizer.decode, args.out, batch=args.batch, minutes=args.minutes,
+                                    log=lambda line: print(line, flush=True))
     print(f"wrote {written} answers ({tokens} tokens) to {args.out} in {time.perf_counter() - tic:.0f} s")
 
 

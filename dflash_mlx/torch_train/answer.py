@@ -10,16 +10,14 @@ writes with MLX and both trainers read. Prompts are any records `dflash_mlx.trai
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
 from ..errors import DFlashError
-from ..train.data import eos_id, prompt_chats
+from ..train.data import eos_id, prompt_chats, write_answers
 from .target import load_target, pick_device
 
 
@@ -60,19 +58,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         tok = target.tokenizer
         chats = prompt_chats(tok, args.prompts)
         chats.sort(key=lambda c: len(c[1].prompt))  # similar lengths together: less padding
-        tic, written, tokens = time.perf_counter(), 0, 0
-        with args.out.open("w") as f:
-            for begin in range(0, len(chats), args.batch):
-                if args.minutes is not None and time.perf_counter() - tic > 60 * args.minutes:
-                    break
-                batch = chats[begin : begin + args.batch]
-                for (messages, _), answer in zip(batch, answer_batch(target, [doc.prompt for _, doc in batch], args.max_tokens)):
-                    reply = {"role": "assistant", "content": tok.decode(answer)}
-                    f.write(json.dumps({"messages": messages + [reply]}) + "\n")
-                    written, tokens = written + 1, tokens + len(answer)
-                f.flush()
-                seconds = time.perf_counter() - tic
-                print(f"{written}/{len(chats)} answered, {tokens} tokens, {tokens / seconds:.0f} tok/s", flush=True)
+        write_answers(chats, lambda docs: answer_batch(target, [d.prompt for d in docs], args.max_tokens),
+                      tok.decode, args.out, batch=args.batch, minutes=args.minutes,
+                      log=lambda line: print(line, flush=True))
         return 0
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

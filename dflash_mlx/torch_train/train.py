@@ -111,7 +111,7 @@ class Run:
         self.eval_prompts = data.eval_prompts
         log(f"data: {data.summary['documents']} documents, {rows} rows of {args.seq_len} ({held} held out), "
             f"{int(self.trainable.sum())} trainable tokens; {len(data.eval_prompts)} held-out prompts")
-        self.argmax = None
+        self.argmax = self._eval_argmax = None
         if args.labels == "target":
             tic = time.perf_counter()
             self.argmax = self.target.argmax_rows(self.tokens, progress=sys.stderr.isatty())
@@ -129,7 +129,6 @@ class Run:
     # -- setup ------------------------------------------------------------------------------------------------------
     def _build_drafter(self):
         args, target = self.args, self.target
-        saved = args.out / STATE_NAME if args.resume else None
         source = args.out if args.resume else args.init
         if source is not None:
             model = load_drafter(source)
@@ -160,8 +159,6 @@ class Run:
                 model.d2t.copy_(torch.as_tensor(maps(ids, config.vocab_size)[0]))
                 model.lm_head.weight.data.copy_(target.head_rows(ids))
         self.d2t = model.d2t.numpy().astype(np.int64) if config.draft_vocab_size else None
-        if saved is not None and not saved.is_file():
-            raise DFlashError(f"nothing to resume: '{saved}' does not exist")
         return model.to(self.device), config
 
     # -- batches and steps ------------------------------------------------------------------------------------------
@@ -220,7 +217,9 @@ class Run:
         """Block acceptance on held-out rows (fixed draws): what a greedy verify would accept of those blocks."""
         if not len(self.eval_tokens):
             return {}
-        argmax = self.target.argmax_rows(self.eval_tokens) if self.argmax is not None else None
+        if self.argmax is not None and self._eval_argmax is None:  # the held-out rows' labels: once per run
+            self._eval_argmax = self.target.argmax_rows(self.eval_tokens)
+        argmax = self._eval_argmax
         out = np.zeros(3)
         for i in range(batches):
             b = self.batch(EVAL_STREAM, i, self.eval_tokens, self.eval_trainable, argmax)
@@ -278,9 +277,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line, flush=True)
 
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
+        # Checked before anything is loaded; --out is made once the run has started (a failed start leaves none).
+        if args.out.exists() and not args.out.is_dir():
+            raise DFlashError(f"--out '{args.out}' is a file; pass a folder for the run")
         if not args.resume and (args.out / STATE_NAME).exists():
             raise DFlashError(f"'{args.out}' holds a run already; pass --resume to continue it or another --out")
+        if args.resume and not (args.out / STATE_NAME).is_file():
+            raise DFlashError(f"nothing to resume: '{args.out / STATE_NAME}' does not exist")
         run = Run(args, log)
         log(f"device: {describe(run.device)}; drafter {run.config.num_hidden_layers} layers, taps "
             f"{run.config.target_layer_ids}, mask {run.config.mask_token_id}, vocab "
@@ -291,6 +294,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             log(f"resumed at step {run.step} of {run.steps}")
         elif args.steps is None:
             run.steps = run.calibrate(args.minutes)
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "train_args.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
                                                              for k, v in vars(args).items()}, indent=1) + "\n")
         flops = step_flops(run.config, args.rows, args.anchors, args.seq_len) * args.accum

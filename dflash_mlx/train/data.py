@@ -170,6 +170,8 @@ def prompt_chats(tokenizer, path: Path) -> List[Tuple[List[Dict[str, str]], Docu
     """Prompts to answer: each record's turns before its first assistant turn, and their document (a chat with no
     answer yet: `.prompt` holds the rendered ids, generation prompt included). Records without a user turn are
     skipped."""
+    if not Path(path).is_file():
+        raise DFlashError(f"prompts file '{path}' does not exist")
     chats = []
     for record in read_records(path):
         messages = record_messages(record) or []
@@ -179,6 +181,34 @@ def prompt_chats(tokenizer, path: Path) -> List[Tuple[List[Dict[str, str]], Docu
         if doc is not None:
             chats.append((messages, doc))
     return chats
+
+
+def write_answers(chats: List[Tuple[List[Dict[str, str]], Document]], answer, decode, out: Path, *, batch: int,
+                  minutes: Optional[float] = None, log=print) -> Tuple[int, int]:
+    """Answer `chats` (from `prompt_chats`) `batch` at a time and write one chat record per line to `out`:
+    `{"messages": [..., {"role": "assistant", "content": ...}]}`. `answer(docs)` gives each doc's answer ids (EOS
+    left out), `decode(ids)` its text. No new batch starts after `minutes`. Returns (answers, answer tokens)."""
+    import time
+
+    import os
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.partial")  # an existing `out` stays whole until the new one is complete
+    tic, written, tokens = time.perf_counter(), 0, 0
+    with tmp.open("w") as f:
+        for begin in range(0, len(chats), batch):
+            if minutes is not None and time.perf_counter() - tic > 60 * minutes:
+                break
+            group = chats[begin : begin + batch]
+            for (messages, _), ids in zip(group, answer([doc for _, doc in group])):
+                reply = {"role": "assistant", "content": decode(ids)}
+                f.write(json.dumps({"messages": messages + [reply]}) + "\n")
+                written, tokens = written + 1, tokens + len(ids)
+            f.flush()
+            seconds = time.perf_counter() - tic
+            log(f"{written}/{len(chats)} answered, {tokens} tokens, {tokens / max(seconds, 1e-9):.0f} tok/s")
+    os.replace(tmp, out)
+    return written, tokens
 
 
 def text_document(tokenizer, text: str, prompt_tokens: int) -> Optional[Document]:
