@@ -231,13 +231,18 @@ def serve(
                                                "--prompt-cache-dir: its least recently used entries go beyond it."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Fix the verify width (default: chosen "
                                              "every pass; 1 = plain decoding)."),
-    max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="max_tokens of requests that set none."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Most tokens for a request that "
+                                             "sets no limit (default: what the context leaves, as OpenAI does)."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature of requests that set none."),
     chat_template_args: Optional[str] = typer.Option(None, "--chat-template-args", help="JSON passed to the chat "
                                                      "template, e.g. '{\"enable_thinking\": false}'."),
     served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name", help="Model id clients "
                                                           "use (default: --model); repeat it to answer to several "
-                                                          "names, the first is the one reported."),
+                                                          "names, the first is the one reported. Requests "
+                                                          "naming any other model (coding agents send their own "
+                                                          "ids, e.g. claude-opus-4-8) are served by this one."),
+    strict_model_names: bool = typer.Option(False, "--strict-model-names", help="Answer requests naming a model "
+                                            "other than the served names with a 404 instead."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
@@ -252,6 +257,49 @@ def serve(
         from .server import serve_from_cli
 
         serve_from_cli(**options)
+
+
+AGENT_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+URL_HELP = "Use the dflash-mlx server at this URL instead of starting one (e.g. http://127.0.0.1:8080)."
+
+
+def _agent(client, ctx: typer.Context, model: str, draft: Optional[str], quant: Optional[str], url: Optional[str],
+           api_key: Optional[str]) -> None:
+    from .agents import launch
+
+    raise typer.Exit(launch(client, list(ctx.args), model=model, draft=draft, quant=quant, url=url, api_key=api_key))
+
+
+@app.command(context_settings=AGENT_CONTEXT)
+def claude(
+    ctx: typer.Context,
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
+    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+    url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
+):
+    """Run Claude Code against a local server for the pair: 'dflash-mlx claude -p "fix the tests"'. Arguments
+    after the options go to claude unchanged; its settings are set for this run only."""
+    from .agents import CLAUDE
+
+    _agent(CLAUDE, ctx, model, draft, quant, url, api_key)
+
+
+@app.command(context_settings=AGENT_CONTEXT)
+def codex(
+    ctx: typer.Context,
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
+    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+    url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
+):
+    """Run Codex against a local server for the pair: 'dflash-mlx codex exec "add a test"'. Arguments after the
+    options go to codex unchanged; its settings are passed as -c overrides for this run only."""
+    from .agents import CODEX
+
+    _agent(CODEX, ctx, model, draft, quant, url, api_key)
 
 
 @app.command()

@@ -25,6 +25,10 @@ from .drafter import DFlashDrafter
 ARCHS = ("qwen3", "qwen2", "llama")
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 4, 2, 16, 128
 TOKENIZER_VOCAB = 320
+# `python -m dflash_mlx.demo` builds a context with room for a coding agent's first request (Claude Code's is
+# ~80 KB of text, ~10-60k tokens of this small vocabulary); tests build small ones by default.
+AGENT_CONTEXT = 131072
+SMALL_CONTEXT = 4096
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -73,7 +77,7 @@ def _build_tokenizer(out: Path) -> Dict[str, int]:
     return {t: tok.token_to_id(t) for t in SPECIALS} | {"vocab_size": tok.get_vocab_size()}
 
 
-def _target_config(arch: str, vocab_size: int, eos_id: int) -> Dict[str, Any]:
+def _target_config(arch: str, vocab_size: int, eos_id: int, context: int) -> Dict[str, Any]:
     return {
         "model_type": arch,
         "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -86,7 +90,7 @@ def _target_config(arch: str, vocab_size: int, eos_id: int) -> Dict[str, Any]:
         "head_dim": HEAD_DIM,
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": context,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "eos_token_id": eos_id,
@@ -104,8 +108,10 @@ def _write_json(path: Path, data: Dict[str, Any]) -> None:
     path.write_text(json.dumps(data, sort_keys=True, indent=2) + "\n")
 
 
-def make_tiny_pair(out_dir, *, arch: str = "qwen3", seed: int = 0, block_size: int = 4) -> Tuple[Path, Path]:
-    """Write `out_dir/target` (mlx-lm model + tokenizer) and `out_dir/drafter` (DFlash drafter); return both."""
+def make_tiny_pair(out_dir, *, arch: str = "qwen3", seed: int = 0, block_size: int = 4,
+                   context: int = SMALL_CONTEXT) -> Tuple[Path, Path]:
+    """Write `out_dir/target` (mlx-lm model + tokenizer) and `out_dir/drafter` (DFlash drafter); return both.
+    `context`: the target's max_position_embeddings (the demo command's pair: `AGENT_CONTEXT`)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     out = Path(out_dir)
@@ -115,7 +121,7 @@ def make_tiny_pair(out_dir, *, arch: str = "qwen3", seed: int = 0, block_size: i
 
     ids = _build_tokenizer(target_dir)
     vocab = ids["vocab_size"]
-    config = _target_config(arch, vocab, ids["<|im_end|>"])
+    config = _target_config(arch, vocab, ids["<|im_end|>"], context)
     _write_json(target_dir / "config.json", config)
 
     mx.random.seed(seed)
@@ -148,7 +154,7 @@ def main(argv=None) -> int:
     if len(args) != 1 or args[0].startswith("-"):
         print("usage: python -m dflash_mlx.demo OUT_DIR", file=sys.stderr)
         return 2
-    target_dir, drafter_dir = make_tiny_pair(args[0])
+    target_dir, drafter_dir = make_tiny_pair(args[0], context=AGENT_CONTEXT)
     print(target_dir)
     print(drafter_dir)
     return 0

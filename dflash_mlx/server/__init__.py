@@ -179,10 +179,11 @@ def parse_bytes(text: str, flag: str = "--prompt-cache-bytes") -> int:
 
 
 def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str], max_queue: int,
-                      prompt_cache_bytes: str, block_size: Optional[int], max_tokens: int, temp: float,
+                      prompt_cache_bytes: str, block_size: Optional[int], max_tokens: Optional[int], temp: float,
                       chat_template_args: Optional[str],
                       served_model_name: Union[None, str, List[str]], max_batch: int = 8,
-                      prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: str = "16GiB") -> ServerSettings:
+                      prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: str = "16GiB",
+                      strict_model_names: bool = False) -> ServerSettings:
     """The `dflash-mlx serve` options as settings, every one checked before any model is loaded.
     `served_model_name` may be several names (the flag repeated): the first is the one the server reports."""
     template_args = None
@@ -208,7 +209,8 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
                           max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
                           block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
                           chat_template_kwargs=template_args, max_batch=max_batch,
-                          prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=disk_bytes)
+                          prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=disk_bytes,
+                          strict_model_names=strict_model_names)
 
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,

@@ -4,6 +4,8 @@ named SSE events (message_start, content_block_*, message_delta, message_stop)."
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import uuid
 from typing import Any, Dict, List, Optional
@@ -12,7 +14,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import prompts
-from .errors import APIError
+from .errors import APIError, ContextTooLong
 from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .schemas import AnthropicCountRequest, AnthropicRequest
@@ -31,13 +33,17 @@ def _text(content: Any, where: str) -> str:
 
 
 def chat_messages(body) -> List[Dict[str, Any]]:
-    """Anthropic system + messages -> chat-template messages (tool_use -> tool_calls, tool_result -> tool)."""
+    """Anthropic system + messages -> chat-template messages (tool_use -> tool_calls, tool_result -> tool).
+    System messages inside `messages` join the neighbouring user turn (`prompts.fold_system_messages`)."""
     out: List[Dict[str, Any]] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system, "system")})
     if not body.messages:
         raise APIError(400, "'messages' is empty: send at least one message", param="messages")
     for i, m in enumerate(body.messages):
+        if m.role == "system":
+            out.append({"role": "system", "content": _text(m.content, f"messages.{i}")})
+            continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -63,7 +69,7 @@ def chat_messages(body) -> List[Dict[str, Any]]:
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
-    return out
+    return prompts.fold_system_messages(out)
 
 
 def openai_tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
@@ -71,6 +77,11 @@ def openai_tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[st
         return None
     return [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                               "parameters": t.get("input_schema", {})}} for t in tools]
+
+
+def thinking_signature(text: str) -> str:
+    """An opaque signature for a thinking block (this server's, checked by nobody; clients want one present)."""
+    return "dflash-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _event(name: str, data: Dict[str, Any]) -> str:
@@ -123,7 +134,8 @@ class MessagesFormatter:
                 continue
             if self.open != kind:
                 events += self._close()
-                self.blocks.append({"type": kind, kind: ""} if kind == "thinking" else {"type": "text", "text": ""})
+                self.blocks.append({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                                   else {"type": "text", "text": ""})
                 self.open = kind
                 events.append(_event("content_block_start", {"type": "content_block_start",
                                                              "index": len(self.blocks) - 1,
@@ -138,8 +150,16 @@ class MessagesFormatter:
     def _close(self, force: bool = False) -> List[str]:
         if self.open is None and not force:
             return []
+        events = []
+        if self.open == "thinking":
+            # Clients drop unsigned thinking blocks (Claude Code does): sign it, as Anthropic does, last.
+            block = self.blocks[-1]
+            block["signature"] = thinking_signature(block["thinking"])
+            events.append(_event("content_block_delta", {
+                "type": "content_block_delta", "index": len(self.blocks) - 1,
+                "delta": {"type": "signature_delta", "signature": block["signature"]}}))
         self.open = None
-        return [_event("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
+        return events + [_event("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
 
     def start(self) -> List[str]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -161,6 +181,7 @@ class MessagesFormatter:
 
     def response(self, outcome: Outcome) -> Dict[str, Any]:
         self._add(self.router.feed("", final=True))
+        self._close()
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self.blocks, "stop_reason": self._stop_reason(outcome),
                 "stop_sequence": outcome.stop_string, "usage": self._usage(outcome),
@@ -175,18 +196,31 @@ def _template_kwargs(server, body) -> Dict[str, Any]:
     return kwargs
 
 
+@contextlib.contextmanager
+def anthropic_wording():
+    """A prompt over the context is refused in Anthropic's words, `prompt is too long: …`: Claude Code compacts
+    the conversation on that message, and gives up on any other."""
+    try:
+        yield
+    except ContextTooLong as e:
+        counted = f"{e.tokens} tokens > {e.limit} maximum" if e.tokens is not None else e.message
+        raise APIError(400, f"prompt is too long: {counted}", param=e.param, code=e.code) from e
+
+
 def add_routes(app, server, authorize) -> None:
     @app.post("/v1/messages", dependencies=[Depends(authorize)])
     async def messages(body: AnthropicRequest, request: Request):
-        server.check_body(body)
+        with anthropic_wording():
+            server.check_body(body)
         name = server.check_model(body.model)
         tools = openai_tools(body.tools)
         choice = anthropic_tool_choice(body.tool_choice, tools)
         if choice.mode == "none":
             tools = None
         prompt = await server.chat_prompt(chat_messages(body), tools, _template_kwargs(server, body), choice)
-        job: Job = server.submit(server.generation_request(prompt, body, body.max_tokens,
-                                                           list(body.stop_sequences or [])))
+        with anthropic_wording():
+            request_ = server.generation_request(prompt, body, body.max_tokens, list(body.stop_sequences or []))
+        job: Job = server.submit(request_)
         router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
         fmt = MessagesFormatter(name, router, len(prompt.tokens))
         event = await first_event(job, request)
@@ -216,7 +250,8 @@ def add_routes(app, server, authorize) -> None:
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
     async def count_tokens(body: AnthropicCountRequest):
-        server.check_body(body)
+        with anthropic_wording():
+            server.check_body(body)
         server.check_model(body.model)
         prompt = await server.chat_prompt(chat_messages(body), openai_tools(body.tools),
                                           _template_kwargs(server, body))

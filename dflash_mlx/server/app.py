@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ..errors import DFlashError
 from ..sampling import SamplingParams
 from . import anthropic_format, errors, prompts, responses_format
-from .errors import APIError
+from .errors import APIError, ContextTooLong
 from .generation import GenerationRequest, Generator, Outcome
 from .memory import MemoryKeeper
 from .metrics import Metrics
@@ -38,6 +39,8 @@ from .streaming import collect, first_event
 from .text import router_for
 from .tools import openai_tool_choice
 from .worker import Job, QueueFull, Worker
+
+logger = logging.getLogger("dflash_mlx.server")
 
 
 @dataclass
@@ -54,9 +57,12 @@ class ServerSettings:
     prompt_cache_dir: Optional[str] = None  # evicted prefix-cache entries (and all at shutdown) kept on disk here
     prompt_cache_dir_bytes: int = 16 << 30
     block_size: Optional[int] = None
-    default_max_tokens: int = 512
+    default_max_tokens: Optional[int] = None  # for requests that set no limit; None: what the context leaves
     context_length: Optional[int] = None  # default: the target's max_position_embeddings
     temperature: float = 0.0  # when a request sets none (OpenAI's own default is 1.0)
+    # False: a request naming a model this server does not list is served by its one model (coding agents send
+    # their own ids: claude-opus-4-8, gpt-5-codex, a haiku id for side tasks). True: such a request is a 404.
+    strict_model_names: bool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
     def name_after(self, model: str, drafter: Optional[str]) -> "ServerSettings":
@@ -104,6 +110,7 @@ class Server:
         self.context_length = settings.context_length or context_length_of(model)
         self.vocab_size = self.generator.target.vocab_size
         self.created = int(time.time())
+        self._unlisted: set = set()  # names asked for that the server does not list (each logged once)
 
     # -- request checks ----------------------------------------------------------------------------------------
     def check_body(self, body) -> None:
@@ -113,15 +120,22 @@ class Server:
     def check_length(self, n: int) -> None:
         limit = self.context_length
         if limit is not None and n >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {n}; "
-                                "shorten the messages", param="messages", code="context_length_exceeded")
+            raise ContextTooLong(f"this model's maximum context length is {limit} tokens, but the prompt has {n}; "
+                                 "shorten the messages", n, limit)
 
-    def check_model(self, name: Optional[str]) -> str:
-        """The served name a request asked for (replies carry it back), or the first one when it named none;
-        a name the server does not answer to is a 404."""
+    def check_model(self, name: Optional[str], listed: bool = False) -> str:
+        """The name a request asked for (replies carry it back), or the first served one when it named none.
+        Any other name is served by the one model, unless `strict_model_names` (or `listed`: the catalogue, which
+        shows only the served names) makes it a 404."""
         names = self.settings.names
         if name is None:
             return names[0]
+        if name not in names and not (self.settings.strict_model_names or listed):
+            if name not in self._unlisted:
+                self._unlisted.add(name)
+                logger.info("requests for model '%s' are served by '%s' (--strict-model-names refuses them)",
+                            name, names[0])
+            return name
         if name not in names:
             served = ", ".join(f"'{n}'" for n in names)
             raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
@@ -140,9 +154,12 @@ class Server:
             raise APIError(400, "the prompt is empty", param="messages")
         self.check_length(n)
         limit = self.context_length
+        # A request without a limit gets what the context leaves (as OpenAI does): agents such as Codex send none
+        # and fail a turn that ends early. `--max-tokens` caps it where set.
         max_tokens = max_tokens or self.settings.default_max_tokens
         if limit is not None:
-            max_tokens = min(max_tokens, limit - n)
+            max_tokens = min(max_tokens or limit, limit - n)
+        max_tokens = max_tokens or NO_CONTEXT_MAX_TOKENS
         option = lambda name, default: default if getattr(body, name, None) is None else getattr(body, name)
         sampling = dict(temp=option("temperature", self.settings.temperature), top_p=option("top_p", 1.0),
                         top_k=option("top_k", 0), min_p=option("min_p", 0.0))
@@ -193,6 +210,7 @@ class Server:
         return job
 
 
+NO_CONTEXT_MAX_TOKENS = 32768  # the limit of a request that sets none, for a model whose config gives no context
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 
 
@@ -287,6 +305,12 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
                 "waiting": server.worker.waiting, "running": server.worker.running}
         return JSONResponse(body, status_code=200 if alive else 503)
 
+    @app.api_route("/", methods=["GET", "HEAD"])  # Claude Code probes `HEAD /` as it starts
+    async def root():
+        return JSONResponse({"name": "dflash-mlx", "version": _version(), "model": settings.model_name,
+                             "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                           "/v1/messages", "/v1/models", "/health", "/metrics"]})
+
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics():
         return PlainTextResponse(server.metrics.render(server.worker.waiting, server.worker.running,
@@ -307,7 +331,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
 
     @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
     async def model(name: str):
-        return model_card(server.check_model(name))
+        return model_card(server.check_model(name, listed=True))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):

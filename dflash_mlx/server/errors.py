@@ -21,6 +21,14 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
+class ContextTooLong(APIError):
+    """A prompt of `tokens` tokens (None: not counted, its text alone is too big) for a context of `limit`."""
+
+    def __init__(self, message: str, tokens: Optional[int], limit: int, param: Optional[str] = "messages"):
+        super().__init__(400, message, param=param, code="context_length_exceeded")
+        self.tokens, self.limit = tokens, limit
+
+
 def error_response(request: Request, status: int, message: str, type: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
     # A message that quotes the client's text may hold a lone surrogate, which UTF-8 cannot carry: escape it.

@@ -63,6 +63,15 @@ class Delta:
 
 
 @dataclass
+class PrefillProgress:
+    """A prompt chunk is done (`done` of `total` tokens): the worker may run other requests' passes now. It is not
+    handed to the client."""
+
+    done: int
+    total: int
+
+
+@dataclass
 class Outcome:
     finish_reason: str  # "stop", "length" or "cancelled"
     prompt_tokens: int
@@ -186,6 +195,23 @@ class Generator:
                     self._advance(state, prompt[position:b])
                     position = b
                     self._store(prompt[:b], state)
+        # A long prompt is prefilled here a chunk at a time, so a request whose client has gone stops between two
+        # chunks; the chunks already done go into the prefix cache, and the client's identical retry resumes there.
+        # The last chunk is the engine's own prefill. Between chunks the worker runs the other requests' passes.
+        step = self.prefill_step_size
+        while n - position > step:
+            if should_stop():
+                if position > cached:
+                    self._store(prompt[:position], state)
+                logger.info("prefill stopped after %d of %d prompt tokens (client gone); kept for a retry",
+                            position, n)
+                summary = _dflash_stats(AcceptanceStats(), {}, 0, 0, self.plain, 0.0, 0.0, 0, position - cached,
+                                        time.perf_counter() - tic)
+                yield Outcome("cancelled", n, 0, cached, position - cached, summary)
+                return
+            self._advance(state, prompt[position : position + step])
+            position += step
+            yield PrefillProgress(position, n)
 
         options = dict(tokenizer=self.tokenizer, max_tokens=req.max_tokens, width=self.block_size, state=state,
                        history=prompt[:position], tokenizer_lock=self.tokenizer_lock,

@@ -69,6 +69,46 @@ def openai_messages(messages) -> List[Dict[str, Any]]:
     return out
 
 
+def system_reminder(text: str) -> str:
+    return f"<system-reminder>\n{text}\n</system-reminder>"
+
+
+def fold_system_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Leading system messages as one; each later one as `<system-reminder>` text in the neighbouring user turn
+    (the one before it, else the next one, else a user turn of its own).
+
+    Agents put system messages inside a conversation (Claude Code's mid-conversation reminders, Codex's developer
+    messages), while most chat templates take a system message only first and raise otherwise. Claude Code itself
+    falls back to this folding against servers that refuse such messages.
+    """
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out: List[Dict[str, Any]] = []
+    if lead:
+        out.append({"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead] if m["content"])})
+    held: List[str] = []
+    for m in messages[lead:]:
+        if m["role"] == "system":
+            note = system_reminder(m["content"])
+            if out and out[-1]["role"] == "user":
+                out[-1] = dict(out[-1], content=_joined(out[-1]["content"], note))
+            else:
+                held.append(note)
+            continue
+        if m["role"] == "user" and held:
+            m = dict(m, content=_joined(*held, m["content"]))
+            held = []
+        out.append(m)
+    if held:
+        out.append({"role": "user", "content": _joined(*held)})
+    return out
+
+
+def _joined(*texts: str) -> str:
+    return "\n\n".join(t for t in texts if t)
+
+
 def _render(tokenizer, messages, tools, kwargs, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                          add_generation_prompt=generation_prompt, **kwargs)

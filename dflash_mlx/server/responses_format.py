@@ -1,24 +1,27 @@
 """OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`), the one the Agents SDK
 and Codex-style clients speak, on the same generation path as chat completions (`Server.submit`).
 
-Requests: `input` (a string, or items: messages with text parts, `function_call` and `function_call_output`
-items; `reasoning` items are skipped as chat templates drop earlier reasoning), `instructions` (a leading system
-message, not carried over to later turns), function `tools` and `tool_choice`, and `previous_response_id`, which
-puts the stored conversation of that response before `input`. The prompt is built by `server/prompts.py`, so the
+Requests: `input` (a string, or items: messages with text parts, call items `function_call`, `custom_tool_call`,
+`local_shell_call` and their `*_output` items; other items, `reasoning` among them, are skipped), `instructions`
+(a leading system message, not carried over to later turns), `tools` (function, namespace and custom tools, see
+server/responses_tools.py; others are left out) and `tool_choice`, and `previous_response_id`, which puts the
+stored conversation of that response before `input`. System and developer messages after the first turn join
+the neighbouring user turn (`prompts.fold_system_messages`). The prompt is built by `server/prompts.py`, so the
 prefix cache serves the shared history and `usage.input_tokens_details.cached_tokens` counts it.
 
-Replies: output items `reasoning`, `message` (one `output_text` part) and `function_call`; streamed as OpenAI's
+Replies: output items `reasoning`, `message` (one `output_text` part), `function_call` and `custom_tool_call`; streamed as OpenAI's
 named SSE events with a `sequence_number`: response.created, response.in_progress, then per item
 response.output_item.added, (response.content_part.added, response.output_text.delta..., response.output_text.done,
-response.content_part.done | response.reasoning_text.delta/done | response.function_call_arguments.delta/done),
+response.content_part.done | response.reasoning_text.delta/done | response.function_call_arguments.delta/done |
+response.custom_tool_call_input.delta/done),
 response.output_item.done, and last response.completed (response.incomplete when max_output_tokens cut it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
-import uuid
 from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, Request
@@ -29,38 +32,19 @@ from .errors import APIError
 from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .responses_store import ResponseStore
+from .responses_tools import OUTPUT_ITEMS, ToolSet, history_call, new_id
 from .schemas import ResponsesRequest
 from .streaming import collect, first_event
 from .text import OutputRouter, Piece, router_for
 from .tools import openai_tool_choice
 
+logger = logging.getLogger("dflash_mlx.server")
 
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+_id = new_id
 
 
 # -- request -> chat messages ----------------------------------------------------------------------------------
-def chat_tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
-    """Responses function tools ({"type": "function", "name", "parameters"}) -> chat-completions tools."""
-    if not tools:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind != "function":
-            raise APIError(400, f"tools.{i}: tools of type {kind!r} are not supported; send function tools "
-                                "({'type': 'function', 'name': ..., 'parameters': {...}})", param=f"tools.{i}")
-        if isinstance(tool.get("function"), dict):  # already in chat-completions form
-            out.append({"type": "function", "function": tool["function"]})
-            continue
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise APIError(400, f"tools.{i} has no 'name': give each function tool a name", param=f"tools.{i}.name")
-        out.append({"type": "function", "function": {
-            "name": tool["name"], "description": tool.get("description") or "",
-            "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}})
-    return out
-
-
 def chat_tool_choice(choice: Any) -> Any:
     """Responses `tool_choice` ({"type": "function", "name": NAME} for a named one) -> chat-completions form."""
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
@@ -92,27 +76,30 @@ def input_messages(items: Any) -> List[Dict[str, Any]]:
                                     f"{role!r}", param=f"{where}.role")
             out.append({"role": "system" if role == "developer" else role,
                         "content": prompts.text_of(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise APIError(400, f"{where}: a function_call item needs 'call_id' and 'name'", param=where)
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": _arguments(item.get("arguments", "{}"))}}
+        elif history_call(item) is not None:
+            call_id, name, arguments = history_call(item)
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise APIError(400, f"{where}: a {kind} item needs 'call_id' and 'name'", param=where)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in OUTPUT_ITEMS:
             if not isinstance(item.get("call_id"), str):
-                raise APIError(400, f"{where}: a function_call_output item needs the 'call_id' of its call",
+                raise APIError(400, f"{where}: a {kind} item needs the 'call_id' of its call",
                                param=f"{where}.call_id")
             output = item.get("output", "")
+            if isinstance(output, dict):  # local_shell_call_output may carry {"output": ..., "metadata": ...}
+                output = json.dumps(output, ensure_ascii=False)
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else prompts.text_of(output, f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # chat templates drop earlier turns' reasoning
         else:
-            raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, function_call, "
-                                "function_call_output, reasoning)", param=f"{where}.type")
+            # reasoning (chat templates drop earlier turns' reasoning), compaction, web searches, references...:
+            # skipped, as OpenAI-compatible servers do with input items they do not know.
+            if kind != "reasoning":
+                logger.debug("input item of type %r skipped", kind)
+            continue
     if not out:
         raise APIError(400, "'input' is empty: send a string or at least one message item", param="input")
     return out
@@ -121,9 +108,8 @@ def input_messages(items: Any) -> List[Dict[str, Any]]:
 def reply_message(items: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """The reply's output items as one assistant chat message (what the next turn's template sees)."""
     text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
-    calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": _arguments(item["arguments"])}}
-             for item in items if item["type"] == "function_call"]
+    calls = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
+             for call_id, name, arguments in filter(None, map(history_call, items))]
     if not text and not calls:
         return None
     message: Dict[str, Any] = {"role": "assistant", "content": text}
@@ -136,8 +122,9 @@ def reply_message(items: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 class ResponsesFormatter:
     """Fed the generation's events; builds the output items and the SSE events that stream them."""
 
-    def __init__(self, model: str, router: OutputRouter, body: ResponsesRequest):
+    def __init__(self, model: str, router: OutputRouter, body: ResponsesRequest, tools: Optional[ToolSet] = None):
         self.id = _id("resp")
+        self.tools = tools or ToolSet()
         self.created = int(time.time())
         self.model = model
         self.router = router
@@ -192,17 +179,17 @@ class ResponsesFormatter:
 
     def _call(self, call: Dict[str, Any]) -> List[str]:
         events = self._close()
-        arguments = call.get("arguments", {})
-        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
-                "call_id": call.get("id") or _id("call"), "name": call.get("name", ""), "arguments": ""}
+        item = self.tools.item(call)
+        field, stream = ("input", "custom_tool_call_input") if item["type"] == "custom_tool_call" \
+            else ("arguments", "function_call_arguments")
+        value, item[field] = item[field], ""
         self.items.append(item)
         where = self._where()
         events.append(self._event("response.output_item.added", output_index=where["output_index"], item=dict(item)))
-        events.append(self._event("response.function_call_arguments.delta", **where, delta=arguments))
-        item.update(arguments=arguments, status="completed")
-        events.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                  arguments=arguments))
+        events.append(self._event(f"response.{stream}.delta", **where, delta=value))
+        item.update({field: value, "status": "completed"})
+        done = {"name": item["name"], field: value} if field == "arguments" else {field: value}
+        events.append(self._event(f"response.{stream}.done", **where, **done))
         events.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
         return events
 
@@ -299,14 +286,17 @@ def add_routes(app, server, authorize, store: ResponseStore) -> None:
             if body.previous_response_id else []
         messages = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        tools = chat_tools(body.tools)
+        toolset = ToolSet.from_request(body.tools)
+        tools = toolset.offered
         choice = openai_tool_choice(chat_tool_choice(body.tool_choice), tools)
         if choice.mode == "none":
             tools = None
         template_kwargs = dict(server.settings.chat_template_kwargs or {}, **(body.chat_template_kwargs or {}))
-        prompt = await server.chat_prompt(system + messages, tools, template_kwargs, choice)
+        prompt = await server.chat_prompt(prompts.fold_system_messages(system + messages), tools, template_kwargs,
+                                          choice)
         job = server.submit(server.generation_request(prompt, body, body.max_output_tokens, []))
-        fmt = ResponsesFormatter(name, router_for(server.tokenizer, prompt.text, tools, prompt.forced), body)
+        fmt = ResponsesFormatter(name, router_for(server.tokenizer, prompt.text, tools, prompt.forced), body,
+                                 toolset)
 
         def keep(outcome: Outcome) -> None:
             if body.store and outcome.finish_reason != "cancelled":

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import APIError
+from .errors import APIError, ContextTooLong
 
 
 class _Lenient(BaseModel):
@@ -76,7 +76,8 @@ class CompletionRequest(_Sampling):
 
 
 class AnthropicMessage(_Lenient):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code's mid-conversation system messages (beta mid-conversation-system-*)
+    role: Literal["user", "assistant", "system"]
     content: Union[str, List[Dict[str, Any]]]
 
 
@@ -165,9 +166,10 @@ def check_text(body: BaseModel, context_length: Optional[int]) -> None:
         elif isinstance(value, (int, float)):
             total += len(repr(value))
         if limit is not None and total > limit:
-            raise APIError(400, f"the request holds more than {limit} bytes of text, more than this model's "
-                                f"{context_length}-token context can take ({BYTES_PER_TOKEN} bytes per token, plus "
-                                f"{BYTES_MARGIN // 1024} KiB); shorten the messages", code="context_length_exceeded")
+            raise ContextTooLong(f"the request holds more than {limit} bytes of text, more than this model's "
+                                 f"{context_length}-token context can take ({BYTES_PER_TOKEN} bytes per token, plus "
+                                 f"{BYTES_MARGIN // 1024} KiB); shorten the messages", None, context_length,
+                                 param=None)
 
 
 def _utf8_bytes(text: str, where: str, key: bool = False) -> int:

@@ -22,7 +22,7 @@ import threading
 from typing import Callable, Iterator, List, Optional, Tuple
 
 from .errors import APIError
-from .generation import GenerationRequest, Generator, Outcome
+from .generation import GenerationRequest, Generator, Outcome, PrefillProgress
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -170,6 +170,8 @@ class Worker:
             logger.exception("generation failed")
             job.push(e)
             return False
+        if isinstance(event, PrefillProgress):
+            return True  # between two prompt chunks: nothing for the client yet
         if self.metrics is not None and isinstance(event, Outcome):
             self.metrics.record_outcome(event, self.generator.cache)
         job.push(event)
