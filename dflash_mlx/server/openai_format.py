@@ -29,7 +29,8 @@ def usage(outcome: Outcome) -> Dict[str, Any]:
 
 
 def dflash_field(outcome: Outcome) -> Dict[str, Any]:
-    return dict(outcome.stats, cached_tokens=outcome.cached_tokens, finish_reason=outcome.finish_reason)
+    return dict(outcome.stats, prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
+                cached_tokens=outcome.cached_tokens, finish_reason=outcome.finish_reason)
 
 
 class _TokenText:

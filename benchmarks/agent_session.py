@@ -1,0 +1,162 @@
+"""Replay a recorded coding-agent session against `dflash-mlx serve`, with the package's defaults and with plain
+decoding, side by side on the same target and weights, and report per request and in total: prompt tokens,
+cached tokens, time to first token, decode tok/s, tau per draft source, and whether the replies are identical.
+
+    python benchmarks/agent_session.py benchmarks/sessions/codex-stats-median [--model qwen2.5-coder-0.5b]
+
+A session is a folder of requests as `tests/agents/recorder.py` writes them (NNN_POST_v1_responses.json,
+NNN_POST_v1_messages.json, ...), recorded while a real client worked against the server. Each is sent again in
+order, exactly as recorded (its history holds the replies of the recorded run, so both runs see the same
+prompts); other routes (model lists, token counts, HEAD) are skipped. Both servers start cold (empty prefix cache)
+and then keep their cache across the session's requests, as a server does for an agent. Greedy, as the agents
+ask (no temperature). Figures come from each reply's `dflash` field (the server's own timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import httpx
+
+ROUTES = ("/v1/responses", "/v1/messages", "/v1/chat/completions")
+
+
+def load_session(folder: Path) -> List[Dict[str, Any]]:
+    records = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
+    return [r for r in records if r.get("method") == "POST" and r.get("path") in ROUTES]
+
+
+def _events(text: str):
+    for block in text.split("\n\n"):
+        data = [line[5:].strip() for line in block.splitlines() if line.startswith("data:")]
+        if data and data[0] != "[DONE]":
+            yield json.loads(data[0])
+
+
+def reply_of(path: str, text: str) -> Dict[str, Any]:
+    """(the reply's content and calls as one comparable value, the server's dflash stats) from a streamed reply."""
+    output, stats = [], {}
+    for event in _events(text):
+        kind = event.get("type", "")
+        if kind == "response.output_item.done":
+            item = dict(event["item"])
+            item.pop("id", None)
+            item.pop("call_id", None)
+            output.append(item)
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            stats = event["response"].get("dflash") or {}
+            stats["usage"] = event["response"].get("usage")
+        elif kind == "content_block_delta":
+            output.append(event["delta"])
+        elif kind == "message_delta":
+            stats = event.get("dflash") or {}
+        elif "choices" in event:  # chat completions
+            output.append(event["choices"][0].get("delta"))
+            stats = event.get("dflash") or stats
+    return {"output": output, "stats": stats}
+
+
+def replay(base: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    results = []
+    with httpx.Client(timeout=httpx.Timeout(None)) as client:
+        for record in records:
+            body = dict(record["body"], stream=True)
+            query = f"?{record['query']}" if record.get("query") else ""
+            tic = time.perf_counter()
+            reply = client.post(base + record["path"] + query, json=body, headers=record.get("headers") or {})
+            wall = time.perf_counter() - tic
+            if reply.status_code != 200:
+                raise SystemExit(f"{record['path']} answered {reply.status_code}: {reply.text[:300]}")
+            result = reply_of(record["path"], reply.text)
+            result["wall_s"] = wall
+            results.append(result)
+            s = result["stats"]
+            print(f"  request {len(results)}: {s.get('prompt_tokens', '?')} prompt, {s.get('cached_tokens', 0)} "
+                  f"cached, ttft {s.get('time_to_first_token_s', 0):.2f} s, {s.get('generation_tps', 0):.2f} tok/s",
+                  file=sys.stderr, flush=True)
+    return results
+
+
+def serve(model, tokenizer, drafter, plain: bool):
+    from dflash_mlx.server import ServerSettings, create_app, start_in_thread
+
+    settings = ServerSettings(model_name="session", block_size=1 if plain else None, max_batch=1)
+    return start_in_thread(create_app(model, tokenizer, drafter, settings))
+
+
+def taus(stats: Dict[str, Any]) -> str:
+    parts = []
+    for source, counts in sorted((stats.get("sources") or {}).items()):
+        passes, tokens = (counts.get("passes", 0), counts.get("tokens", 0)) if isinstance(counts, dict) \
+            else tuple(counts)
+        if passes:
+            parts.append(f"{source} {tokens / passes:.2f}x{passes}")
+    return ", ".join(parts) or "-"
+
+
+def report(records, fast, plain) -> str:
+    lines = ["| # | prompt | cached | TTFT defaults / plain (s) | decode tok/s defaults / plain | speedup | "
+             "tokens | τ per source (τ x passes) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    totals = {"fast_tokens": 0, "fast_s": 0.0, "plain_s": 0.0, "same": 0}
+    for i, (a, b) in enumerate(zip(fast, plain), 1):
+        sa, sb = a["stats"], b["stats"]
+        n = sa.get("completion_tokens", 0)
+        ta, tb = sa.get("generation_tps", 0.0), sb.get("generation_tps", 0.0)
+        same = a["output"] == b["output"]
+        totals["same"] += same
+        if ta and tb:
+            totals["fast_tokens"] += n
+            totals["fast_s"] += n / ta
+            totals["plain_s"] += n / tb
+        lines.append(f"| {i} | {sa.get('prompt_tokens')} | {sa.get('cached_tokens')} | "
+                     f"{sa.get('time_to_first_token_s', 0):.2f} / {sb.get('time_to_first_token_s', 0):.2f} | "
+                     f"{ta:.2f} / {tb:.2f} | {ta / tb if tb else 0:.2f}x | {n} | {taus(sa)} | {'yes' if same else 'NO'} |")
+    speed = totals["plain_s"] / totals["fast_s"] if totals["fast_s"] else 0.0
+    cold = fast[0]["stats"].get("time_to_first_token_s", 0.0)
+    warm = [r["stats"].get("time_to_first_token_s", 0.0) for r in fast[1:]]
+    lines.append("")
+    lines.append(f"decode over the session: defaults {totals['fast_tokens'] / totals['fast_s'] if totals['fast_s'] else 0:.2f} "
+                 f"tok/s, plain {totals['fast_tokens'] / totals['plain_s'] if totals['plain_s'] else 0:.2f} tok/s, "
+                 f"**{speed:.2f}x**; replies identical {totals['same']}/{len(fast)}")
+    if warm:
+        mean_warm = sum(warm) / len(warm)
+        lines.append(f"time to first token: cold {cold:.2f} s, warm turns {mean_warm:.2f} s on average "
+                     f"({100 * mean_warm / cold if cold else 0:.0f}% of cold)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("session", type=Path, help="folder of recorded requests")
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--draft", default=None)
+    parser.add_argument("--out", type=Path, default=None, help="also write the table and raw figures here (JSON)")
+    args = parser.parse_args(argv)
+    records = load_session(args.session)
+    if not records:
+        raise SystemExit(f"no recorded generation requests in {args.session}")
+    from dflash_mlx import load
+
+    model, tokenizer, drafter = load(args.model, args.draft)
+    runs = {}
+    for name, plain in (("defaults", False), ("plain", True)):
+        print(f"{name}: {len(records)} requests", file=sys.stderr, flush=True)
+        running = serve(model, tokenizer, drafter, plain)
+        try:
+            runs[name] = replay(running.base, records)
+        finally:
+            running.stop()
+    table = report(records, runs["defaults"], runs["plain"])
+    print(table)
+    if args.out:
+        args.out.write_text(json.dumps({"table": table, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
