@@ -9,6 +9,7 @@ The real CLIs end to end: tests/test_agent_clients_e2e.py (slow).
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -337,3 +338,51 @@ def test_an_abandoned_prefill_stops_within_a_chunk_and_its_retry_resumes(pair):
     retry = list(gen.run(request))
     assert retry[-1].cached_tokens == 2 * step and retry[-1].finish_reason == "length"
     assert [t for e in retry if isinstance(e, Delta) for t in e.tokens] == want  # the resumed prefill is exact
+
+
+# -- the launchers ---------------------------------------------------------------------------------------------
+def _fake_client(folder, name):
+    """A stand-in client on PATH that prints its arguments and the settings it was given, as JSON."""
+    script = folder / name
+    script.write_text("#!/usr/bin/env python3\nimport json, os, sys\nprint(json.dumps({'args': sys.argv[1:], 'env': "
+                      "{k: v for k, v in os.environ.items() if k.startswith(('ANTHROPIC', 'API_', 'CLAUDE', "
+                      "'DFLASH'))}}))\n")
+    script.chmod(0o755)
+
+
+def test_the_launchers_set_up_their_client_for_one_run(live, tmp_path, monkeypatch, capfd):
+    from dflash_mlx.cli import main
+
+    running, _ = live
+    _fake_client(tmp_path, "claude")
+    _fake_client(tmp_path, "codex")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-real-key")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["claude", "--url", running.base, "-p", "hi", "--output-format", "json"]) == 0
+    seen = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert seen["args"] == ["-p", "hi", "--output-format", "json"]
+    env = seen["env"]
+    assert env["ANTHROPIC_BASE_URL"] == running.base and "ANTHROPIC_API_KEY" not in env
+    assert env["API_FORCE_IDLE_TIMEOUT"] == "0" and env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    assert main(["codex", "--url", running.url, "exec", "do it"]) == 0
+    seen = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    args = seen["args"]
+    assert args[-2:] == ["exec", "do it"] and seen["env"]["DFLASH_MLX_API_KEY"]
+    overrides = dict(a.split("=", 1) for a in args[1:-2:2])
+    assert overrides["model_provider"] == '"dflash"' and overrides["model"] == '"tiny"'
+    assert overrides["model_providers.dflash.base_url"] == json.dumps(running.url)
+    assert overrides["model_providers.dflash.wire_api"] == '"responses"'
+    assert overrides["model_context_window"] == str(AGENT_CONTEXT)
+    assert not any((tmp_path / d).exists() for d in (".claude", ".codex"))  # nothing written for the user
+
+
+def test_a_launcher_without_its_client_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    from dflash_mlx.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["codex", "exec", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "npm install -g @openai/codex" in err
+    assert main(["claude", "--url", "http://127.0.0.1:9", "-p", "hi"]) == 2
+    assert "npm install -g @anthropic-ai/claude-code" in capsys.readouterr().err
