@@ -201,6 +201,12 @@ def test_an_over_long_prompt_is_refused_in_each_api_s_words(pair):
         assert message.startswith("prompt is too long: ") and "> 32 maximum" in message, message
         reply = httpx.post(running.url + "/responses", json={"model": "tiny", "input": long})
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+        # A stream hears it in `response.failed`, where Codex looks for the code (and then compacts).
+        reply = httpx.post(running.url + "/responses", json={"model": "tiny", "input": long, "stream": True})
+        events = sse_events(reply.text)
+        assert reply.status_code == 200 and [n for n, _ in events] == ["response.created", "response.failed"]
+        error = events[-1][1]["response"]["error"]
+        assert error["code"] == "context_length_exceeded" and "32" in error["message"]
     finally:
         running.stop()
 
@@ -386,3 +392,42 @@ def test_a_launcher_without_its_client_says_how_to_install_it(tmp_path, monkeypa
     assert err.count("\n") == 0 and "npm install -g @openai/codex" in err
     assert main(["claude", "--url", "http://127.0.0.1:9", "-p", "hi"]) == 2
     assert "npm install -g @anthropic-ai/claude-code" in capsys.readouterr().err
+
+
+def test_a_client_that_gives_up_during_prefill_leaves_it_for_the_retry(pair):
+    """Through the server: a client times out while its long prompt is prefilled; the prefill stops, and the
+    identical retry reports the chunks done as cached tokens; the server is idle afterwards."""
+    import time
+
+    model, tokenizer, drafter = pair
+    app = create_app(model, tokenizer, drafter, ServerSettings(model_name="tiny", default_max_tokens=4))
+    server = app.state.server
+    generator = server.generator
+    generator.prefill_step_size = 128
+    advance = generator._advance
+
+    def slow_advance(state, tokens):  # a slow machine: each chunk takes a third of a second at least
+        time.sleep(0.33)
+        advance(state, tokens)
+
+    generator._advance = slow_advance
+    running = start_in_thread(app)
+    try:
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello there! " * 400}]}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(running.base + "/v1/messages", json=body, timeout=1.0)
+        def idle():
+            deadline = time.monotonic() + 30
+            while (server.worker.running or server.worker.waiting) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return server.worker.running == 0 and server.worker.waiting == 0
+
+        assert idle()  # stopped, though its prompt was not done
+        retry = httpx.post(running.base + "/v1/messages", json=body, timeout=120).json()
+        usage = retry["usage"]
+        prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+        assert 0 < usage["cache_read_input_tokens"] < prompt, usage
+        assert usage["cache_read_input_tokens"] % 128 == 0 and retry["stop_reason"] == "max_tokens", (usage, prompt, retry)
+        assert idle()
+    finally:
+        running.stop()

@@ -258,6 +258,26 @@ async def respond_openai(request: Request, job: Job, fmt, stream: bool) -> Respo
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+class RequestCounter:
+    """Counts each response by route and status as it starts. A plain ASGI middleware: Starlette's
+    `BaseHTTPMiddleware` (`@app.middleware("http")`) would hide a client's disconnect from the handlers, and a
+    request whose client has gone must stop (a queued one is dropped, a prefill stops between chunks)."""
+
+    def __init__(self, app, on_response):
+        self.app, self.on_response = app, on_response
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.on_response(scope, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = None) -> FastAPI:
     """The FastAPI app serving one target/drafter pair (already loaded, e.g. by `dflash_mlx.load`)."""
     settings = settings or ServerSettings()
@@ -289,14 +309,13 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
             raise APIError(401, "invalid API key: send 'Authorization: Bearer KEY' with the server's --api-key",
                            type="authentication_error", code="invalid_api_key")
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
+    def count_request(scope, status: int) -> None:
         handled[0] += 1
         # Counted by route template: paths clients make up (/v1/models/ANY, 404s) must not grow the table forever.
-        route = request.scope.get("route")
-        server.metrics.record_request(getattr(route, "path", None) or "unmatched", response.status_code)
-        return response
+        route = scope.get("route")
+        server.metrics.record_request(getattr(route, "path", None) or "unmatched", status)
+
+    app.add_middleware(RequestCounter, on_response=count_request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes
     async def health():

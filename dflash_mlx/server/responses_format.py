@@ -28,7 +28,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import prompts
-from .errors import APIError
+from .errors import APIError, ContextTooLong
 from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .responses_store import ResponseStore
@@ -240,6 +240,12 @@ class ResponsesFormatter:
             obj["dflash"] = dflash_field(outcome)
         return obj
 
+    def failed(self, code: str, message: str) -> List[str]:
+        """The whole stream of a response that failed before generating: created, then failed."""
+        obj = self.object()
+        failed = dict(obj, status="failed", error={"code": code, "message": message})
+        return [self._event("response.created", response=obj), self._event("response.failed", response=failed)]
+
     def start(self) -> List[str]:
         obj = self.object()
         return [self._event("response.created", response=obj), self._event("response.in_progress", response=obj)]
@@ -294,9 +300,17 @@ def add_routes(app, server, authorize, store: ResponseStore) -> None:
         template_kwargs = dict(server.settings.chat_template_kwargs or {}, **(body.chat_template_kwargs or {}))
         prompt = await server.chat_prompt(prompts.fold_system_messages(system + messages), tools, template_kwargs,
                                           choice)
-        job = server.submit(server.generation_request(prompt, body, body.max_output_tokens, []))
         fmt = ResponsesFormatter(name, router_for(server.tokenizer, prompt.text, tools, prompt.forced), body,
                                  toolset)
+        try:
+            job = server.submit(server.generation_request(prompt, body, body.max_output_tokens, []))
+        except ContextTooLong as e:
+            if not body.stream:
+                raise
+            # A stream learns of it as OpenAI's streams do, in `response.failed`: Codex reads its code there and
+            # compacts the conversation.
+            return StreamingResponse(iter(fmt.failed(e.code, e.message)), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
 
         def keep(outcome: Outcome) -> None:
             if body.store and outcome.finish_reason != "cancelled":
