@@ -82,10 +82,11 @@ def replay(base: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return results
 
 
-def serve(model, tokenizer, drafter, plain: bool):
+def serve(model, tokenizer, drafter, plain: bool, max_tokens):
     from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 
-    settings = ServerSettings(model_name="session", block_size=1 if plain else None, max_batch=1)
+    settings = ServerSettings(model_name="session", block_size=1 if plain else None, max_batch=1,
+                              default_max_tokens=max_tokens)
     return start_in_thread(create_app(model, tokenizer, drafter, settings))
 
 
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     parser.add_argument("session", type=Path, help="folder of recorded requests")
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--draft", default=None)
+    parser.add_argument("--max-tokens", type=int, default=None, help="limit replies whose request sets none "
+                        "(Codex sets none: a looping reply could otherwise run to the end of the context)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table and raw figures here (JSON)")
     args = parser.parse_args(argv)
     records = load_session(args.session)
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
     runs = {}
     for name, plain in (("defaults", False), ("plain", True)):
         print(f"{name}: {len(records)} requests", file=sys.stderr, flush=True)
-        running = serve(model, tokenizer, drafter, plain)
+        running = serve(model, tokenizer, drafter, plain, args.max_tokens)
         try:
             runs[name] = replay(running.base, records)
         finally:

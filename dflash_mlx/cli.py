@@ -261,45 +261,36 @@ def serve(
 
 AGENT_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 URL_HELP = "Use the dflash-mlx server at this URL instead of starting one (e.g. http://127.0.0.1:8080)."
+AGENT_HELP = {
+    "claude": "Run Claude Code against a local server for the pair: 'dflash-mlx claude -p \"fix the tests\"'. "
+              "Arguments after the options go to claude unchanged; its settings are set for this run only.",
+    "codex": "Run Codex against a local server for the pair: 'dflash-mlx codex exec \"add a test\"'. Arguments "
+             "after the options go to codex unchanged; its settings are passed as -c overrides for this run only.",
+}
 
 
-def _agent(client, ctx: typer.Context, model: str, draft: Optional[str], quant: Optional[str], url: Optional[str],
-           api_key: Optional[str]) -> None:
-    from .agents import launch
+def _agent_command(name: str):
+    """The `dflash-mlx claude` / `dflash-mlx codex` command (agents.py does the work)."""
 
-    raise typer.Exit(launch(client, list(ctx.args), model=model, draft=draft, quant=quant, url=url, api_key=api_key))
+    def command(
+        ctx: typer.Context,
+        model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
+        draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
+        quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+        url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
+        api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
+    ):
+        from . import agents
 
+        client = {"claude": agents.CLAUDE, "codex": agents.CODEX}[name]
+        raise typer.Exit(agents.launch(client, list(ctx.args), model=model, draft=draft, quant=quant, url=url,
+                                       api_key=api_key))
 
-@app.command(context_settings=AGENT_CONTEXT)
-def claude(
-    ctx: typer.Context,
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
-    url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
-):
-    """Run Claude Code against a local server for the pair: 'dflash-mlx claude -p "fix the tests"'. Arguments
-    after the options go to claude unchanged; its settings are set for this run only."""
-    from .agents import CLAUDE
-
-    _agent(CLAUDE, ctx, model, draft, quant, url, api_key)
+    return app.command(name, context_settings=AGENT_CONTEXT, help=AGENT_HELP[name])(command)
 
 
-@app.command(context_settings=AGENT_CONTEXT)
-def codex(
-    ctx: typer.Context,
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
-    url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
-):
-    """Run Codex against a local server for the pair: 'dflash-mlx codex exec "add a test"'. Arguments after the
-    options go to codex unchanged; its settings are passed as -c overrides for this run only."""
-    from .agents import CODEX
-
-    _agent(CODEX, ctx, model, draft, quant, url, api_key)
+_agent_command("claude")
+_agent_command("codex")
 
 
 @app.command()
