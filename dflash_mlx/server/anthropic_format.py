@@ -11,14 +11,14 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from . import prompts
 from .errors import APIError, ContextTooLong
 from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .schemas import AnthropicCountRequest, AnthropicRequest
-from .streaming import collect, first_event
+from .streaming import collect, first_event, sse_response
 from .text import OutputRouter, router_for
 from .tools import anthropic_tool_choice
 from .worker import Job
@@ -188,6 +188,10 @@ class MessagesFormatter:
                 "dflash": dflash_field(outcome)}
 
 
+def _stream_error(e: Exception) -> str:
+    return _event("error", {"type": "error", "error": {"type": "api_error", "message": str(e)}})
+
+
 def _template_kwargs(server, body) -> Dict[str, Any]:
     kwargs = dict(server.settings.chat_template_kwargs or {})
     thinking = getattr(body, "thinking", None)
@@ -230,23 +234,7 @@ def add_routes(app, server, authorize) -> None:
             outcome = await collect(job, request, event, fmt.events)
             return Response(status_code=499) if outcome is None else JSONResponse(fmt.response(outcome))
 
-        async def lines():
-            nonlocal event
-            try:
-                for line in fmt.start():
-                    yield line
-                while not isinstance(event, Outcome):
-                    for line in fmt.events(event):
-                        yield line
-                    event = await job.next()
-                for line in fmt.finish(event):
-                    yield line
-            except Exception as e:
-                yield _event("error", {"type": "error", "error": {"type": "api_error", "message": str(e)}})
-            finally:
-                job.cancel()
-
-        return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return sse_response(job, event, start=fmt.start, each=fmt.events, finish=fmt.finish, error=_stream_error)
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
     async def count_tokens(body: AnthropicCountRequest):

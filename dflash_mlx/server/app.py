@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..errors import DFlashError
 from ..sampling import SamplingParams
@@ -35,7 +35,7 @@ from .openai_format import ChatFormatter, CompletionFormatter
 from .prefix_store import PrefixStore, fingerprint, prepare_folder
 from .responses_store import ResponseStore
 from .schemas import ChatCompletionRequest, CompletionRequest, check_text
-from .streaming import collect, first_event
+from .streaming import collect, first_event, sse_response
 from .text import router_for
 from .tools import openai_tool_choice
 from .worker import Job, QueueFull, Worker
@@ -238,24 +238,14 @@ async def respond_openai(request: Request, job: Job, fmt, stream: bool) -> Respo
         outcome = await collect(job, request, event, fmt.add)
         return Response(status_code=499) if outcome is None else JSONResponse(fmt.response(outcome))
 
-    async def lines():
-        nonlocal event
-        try:
-            if hasattr(fmt, "first_chunk"):
-                yield _sse(fmt.first_chunk())
-            while not isinstance(event, Outcome):
-                for chunk in fmt.chunks(event):
-                    yield _sse(chunk)
-                event = await job.next()
-            for chunk in fmt.final_chunks(event):
-                yield _sse(chunk)
-            yield "data: [DONE]\n\n"
-        except Exception as e:  # the status line is gone: report in the stream
-            yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
-        finally:
-            job.cancel()  # the client left (or we are done): stop between two verify passes
+    def error(e: Exception) -> str:
+        return _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
 
-    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return sse_response(job, event,
+                        start=lambda: [_sse(fmt.first_chunk())] if hasattr(fmt, "first_chunk") else [],
+                        each=lambda delta: [_sse(chunk) for chunk in fmt.chunks(delta)],
+                        finish=lambda outcome: [_sse(c) for c in fmt.final_chunks(outcome)] + ["data: [DONE]\n\n"],
+                        error=error)
 
 
 class RequestCounter:

@@ -34,7 +34,7 @@ from .openai_format import dflash_field
 from .responses_store import ResponseStore
 from .responses_tools import OUTPUT_ITEMS, ToolSet, history_call, new_id
 from .schemas import ResponsesRequest
-from .streaming import collect, first_event
+from .streaming import collect, first_event, sse_response
 from .text import OutputRouter, Piece, router_for
 from .tools import openai_tool_choice
 
@@ -328,24 +328,10 @@ def add_routes(app, server, authorize, store: ResponseStore) -> None:
             keep(outcome)
             return JSONResponse(reply)
 
-        async def lines():
-            nonlocal event
-            try:
-                for line in fmt.start():
-                    yield line
-                while not isinstance(event, Outcome):
-                    for line in fmt.events(event):
-                        yield line
-                    event = await job.next()
-                for line in fmt.finish(event):
-                    yield line
-                keep(event)
-            except Exception as e:  # the status line is gone: report in the stream, as OpenAI does
-                yield fmt._event("error", code="server_error", message=f"{type(e).__name__}: {e}", param=None)
-            finally:
-                job.cancel()  # the client left (or we are done): stop between two verify passes
+        def error(e: Exception) -> str:  # as OpenAI reports a failure mid-stream
+            return fmt._event("error", code="server_error", message=f"{type(e).__name__}: {e}", param=None)
 
-        return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return sse_response(job, event, start=fmt.start, each=fmt.events, finish=fmt.finish, error=error, done=keep)
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
     async def retrieve(response_id: str):
