@@ -318,6 +318,12 @@ def test_codex_custom_and_namespace_calls_round_trip(scripted):
     items, _ = _codex_turn(running, tools, [spawn, call, {"type": "function_call_output", "call_id": call["call_id"],
                                                           "output": "spawned"}])
     assert '"name": "multi_agent_v1__spawn_agent"' in generator.prompts[-1]
+    # A named custom tool forces that call.
+    body = {"model": "gpt-5.5", "input": "anything", "tools": tools, "tool_choice": {"type": "custom",
+                                                                                      "name": "apply_patch"}}
+    reply = httpx.post(running.url + "/responses", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert generator.prompts[-1].endswith('assistant\n<tool_call>{"name": "apply_patch", "arguments": ')
 
 
 # -- a long prefill whose client has gone ----------------------------------------------------------------------

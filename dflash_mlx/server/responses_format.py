@@ -46,9 +46,12 @@ _id = new_id
 
 # -- request -> chat messages ----------------------------------------------------------------------------------
 def chat_tool_choice(choice: Any) -> Any:
-    """Responses `tool_choice` ({"type": "function", "name": NAME} for a named one) -> chat-completions form."""
-    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+    """Responses `tool_choice` -> chat-completions form: a named function or custom tool ({"type": "function" |
+    "custom", "name": NAME}) -> that function; `allowed_tools` (a subset the model may pick from) -> its mode."""
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and "function" not in choice:
         return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return choice.get("mode", "auto")
     return choice
 
 
