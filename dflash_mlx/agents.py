@@ -85,9 +85,10 @@ def served_model(base: str, api_key: Optional[str]) -> Tuple[str, Optional[int]]
 
 def run_client(argv: List[str], env: Dict[str, str]) -> int:
     """Run the client in the foreground; Ctrl-C is the client's to handle, not ours."""
+    child = subprocess.Popen(argv, env=env)  # started first: an ignored SIGINT would carry over into it
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return subprocess.call(argv, env=env)
+        return child.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
 

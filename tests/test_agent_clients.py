@@ -158,12 +158,20 @@ def test_system_messages_inside_the_conversation_join_the_user_turn():
                 {"role": "user", "content": "next"}, {"role": "assistant", "content": "done"},
                 {"role": "system", "content": "R3"}]
     folded = fold_system_messages(messages)
-    assert [m["role"] for m in folded] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in folded] == ["system", "user", "assistant", "user", "user", "assistant", "user"]
     assert folded[0]["content"] == "A\n\nB"
     assert folded[1]["content"] == "hi\n\n<system-reminder>\nR1\n</system-reminder>"
-    assert folded[3]["content"] == "<system-reminder>\nR2\n</system-reminder>\n\nnext"
-    assert folded[5]["content"] == "<system-reminder>\nR3\n</system-reminder>"
+    assert folded[3]["content"] == "<system-reminder>\nR2\n</system-reminder>" and folded[4]["content"] == "next"
+    assert folded[6]["content"] == "<system-reminder>\nR3\n</system-reminder>"
     assert fold_system_messages(messages[2:3]) == messages[2:3]
+    # After a tool's result it joins the result; empty ones vanish. Where a note lands depends only on what came
+    # before it, so the next turn's prompt extends this one's (the prefix cache serves it).
+    loop = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+            {"role": "tool", "content": "ok"}, {"role": "system", "content": "R"}, {"role": "system", "content": ""}]
+    note = "ok\n\n<system-reminder>\nR\n</system-reminder>"
+    assert fold_system_messages(loop)[2:] == [{"role": "tool", "content": note}]
+    turn = fold_system_messages(loop)
+    assert fold_system_messages(loop + [{"role": "assistant", "content": "done"}])[: len(turn)] == turn
 
 
 def test_thinking_blocks_are_signed(pair):
@@ -207,6 +215,10 @@ def test_an_over_long_prompt_is_refused_in_each_api_s_words(pair):
         assert reply.status_code == 200 and [n for n, _ in events] == ["response.created", "response.failed"]
         error = events[-1][1]["response"]["error"]
         assert error["code"] == "context_length_exceeded" and "32" in error["message"]
+        # Refused unseen (more text than the context could hold): the same event.
+        huge = {"model": "tiny", "input": "x" * 40000, "stream": True}
+        events = sse_events(httpx.post(running.url + "/responses", json=huge).text)
+        assert events[-1][1]["response"]["error"]["code"] == "context_length_exceeded"
     finally:
         running.stop()
 
@@ -228,6 +240,8 @@ def test_codex_tools_are_offered_as_functions():
     assert item["name"] == member.split("__", 1)[1] and json.loads(item["arguments"]) == {"x": 1}
     custom = toolset.item({"name": "apply_patch", "arguments": {"input": "*** Begin Patch\n*** End Patch\n"}})
     assert custom["type"] == "custom_tool_call" and custom["input"].startswith("*** Begin Patch")
+    renamed = toolset.item({"name": "apply_patch", "arguments": {"patch": "*** Begin Patch\n"}})
+    assert renamed["input"] == "*** Begin Patch\n"  # a small model's own name for the argument
 
 
 TEMPLATE = (

@@ -131,7 +131,7 @@ class Server:
         if name is None:
             return names[0]
         if name not in names and not (self.settings.strict_model_names or listed):
-            if name not in self._unlisted:
+            if name not in self._unlisted and len(self._unlisted) < 64:  # clients choose names: keep it small
                 self._unlisted.add(name)
                 logger.info("requests for model '%s' are served by '%s' (--strict-model-names refuses them)",
                             name, names[0])

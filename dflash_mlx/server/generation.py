@@ -207,6 +207,7 @@ class Generator:
                             position, n)
                 summary = _dflash_stats(AcceptanceStats(), {}, 0, 0, self.plain, 0.0, 0.0, 0, position - cached,
                                         time.perf_counter() - tic)
+                summary.update(plain_passes=0, collapsed=False)
                 yield Outcome("cancelled", n, 0, cached, position - cached, summary)
                 return
             self._advance(state, prompt[position : position + step])

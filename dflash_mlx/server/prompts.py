@@ -74,34 +74,30 @@ def system_reminder(text: str) -> str:
 
 
 def fold_system_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Leading system messages as one; each later one as `<system-reminder>` text in the neighbouring user turn
-    (the one before it, else the next one, else a user turn of its own).
+    """Leading system messages as one; each later one as `<system-reminder>` text where it stands: added to the
+    user or tool message before it, else (after an assistant turn) a user turn of its own. Empty ones are dropped.
 
     Agents put system messages inside a conversation (Claude Code's mid-conversation reminders, Codex's developer
-    messages), while most chat templates take a system message only first and raise otherwise. Claude Code itself
-    falls back to this folding against servers that refuse such messages.
+    messages), while most chat templates take a system message only first and raise otherwise; Claude Code itself
+    falls back to this folding against servers that refuse them. The place depends only on what comes before, so
+    a later turn's prompt extends this one's and the prefix cache serves it.
     """
     lead = 0
     while lead < len(messages) and messages[lead]["role"] == "system":
         lead += 1
     out: List[Dict[str, Any]] = []
-    if lead:
-        out.append({"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead] if m["content"])})
-    held: List[str] = []
+    lead_text = _joined(*(m["content"] for m in messages[:lead]))
+    if lead_text:
+        out.append({"role": "system", "content": lead_text})
     for m in messages[lead:]:
-        if m["role"] == "system":
+        if m["role"] != "system":
+            out.append(m)
+        elif m["content"]:
             note = system_reminder(m["content"])
-            if out and out[-1]["role"] == "user":
+            if out and out[-1]["role"] in ("user", "tool") and not out[-1].get("tool_calls"):
                 out[-1] = dict(out[-1], content=_joined(out[-1]["content"], note))
             else:
-                held.append(note)
-            continue
-        if m["role"] == "user" and held:
-            m = dict(m, content=_joined(*held, m["content"]))
-            held = []
-        out.append(m)
-    if held:
-        out.append({"role": "user", "content": _joined(*held)})
+                out.append({"role": "user", "content": note})
     return out
 
 

@@ -274,6 +274,13 @@ def _check_text_format(body: ResponsesRequest) -> None:
         raise APIError(400, f"text.format {fmt.get('type')!r} is not supported (text only)", param="text.format")
 
 
+def too_long(fmt: ResponsesFormatter, error: ContextTooLong) -> StreamingResponse:
+    """A streamed request over the context learns of it as OpenAI's streams do, in `response.failed`: Codex reads
+    the code there and compacts the conversation."""
+    return StreamingResponse(iter(fmt.failed(error.code, error.message)), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
 def add_routes(app, server, authorize, store: ResponseStore) -> None:
     def stored(response_id: str, param: Optional[str] = None):
         entry = store.get(response_id)
@@ -285,7 +292,12 @@ def add_routes(app, server, authorize, store: ResponseStore) -> None:
 
     @app.post("/v1/responses", dependencies=[Depends(authorize)])
     async def create(body: ResponsesRequest, request: Request):
-        server.check_body(body)
+        try:
+            server.check_body(body)
+        except ContextTooLong as e:
+            if not body.stream:
+                raise
+            return too_long(ResponsesFormatter(server.check_model(body.model), None, body), e)
         name = server.check_model(body.model)
         _check_text_format(body)
         if body.max_output_tokens is not None and body.max_output_tokens <= 0:
@@ -309,11 +321,8 @@ def add_routes(app, server, authorize, store: ResponseStore) -> None:
             job = server.submit(server.generation_request(prompt, body, body.max_output_tokens, []))
         except ContextTooLong as e:
             if not body.stream:
-                raise
-            # A stream learns of it as OpenAI's streams do, in `response.failed`: Codex reads its code there and
-            # compacts the conversation.
-            return StreamingResponse(iter(fmt.failed(e.code, e.message)), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                raise APIError(400, e.message, param="input", code=e.code) from e
+            return too_long(fmt, e)
 
         def keep(outcome: Outcome) -> None:
             if body.store and outcome.finish_reason != "cancelled":

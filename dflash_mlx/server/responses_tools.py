@@ -113,9 +113,7 @@ class ToolSet:
                     arguments = json.loads(arguments)
                 except ValueError:
                     pass
-            text = arguments.get("input") if isinstance(arguments, dict) else arguments
-            if not isinstance(text, str):
-                text = json.dumps(text, ensure_ascii=False)
+            text = _custom_input(arguments)
             return {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress", "call_id": call_id,
                     "name": name, "input": text}
         arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
@@ -126,6 +124,18 @@ class ToolSet:
         return item
 
 
+def _custom_input(arguments: Any) -> str:
+    """A custom tool's freeform input from the call the model wrote: its `input`, else its one string value (small
+    models rename the argument), else the arguments as JSON."""
+    if isinstance(arguments, dict):
+        if isinstance(arguments.get("input"), str):
+            return arguments["input"]
+        strings = [v for v in arguments.values() if isinstance(v, str)]
+        if len(arguments) == 1 and strings:
+            return strings[0]
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
 def history_call(item: Dict[str, Any]) -> Optional[Tuple[str, str, Any]]:
     """A past call item -> (call_id, flat name, arguments) for the chat template; None for items that are no
     call. `function_call` (with its `namespace`), `custom_tool_call` (its input as the `input` argument) and
@@ -133,7 +143,9 @@ def history_call(item: Dict[str, Any]) -> Optional[Tuple[str, str, Any]]:
     kind = item.get("type")
     call_id = item.get("call_id") or item.get("id")
     if kind == "function_call":
-        return call_id, flat_name(item.get("namespace"), item.get("name")), item.get("arguments", "{}")
+        name = item.get("name")
+        return call_id, flat_name(item.get("namespace"), name) if isinstance(name, str) else None, \
+            item.get("arguments", "{}")
     if kind == "custom_tool_call":
         return call_id, item.get("name"), {"input": item.get("input", "")}
     if kind == "local_shell_call":
