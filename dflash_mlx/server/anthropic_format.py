@@ -34,7 +34,7 @@ def _text(content: Any, where: str) -> str:
 
 def chat_messages(body) -> List[Dict[str, Any]]:
     """Anthropic system + messages -> chat-template messages (tool_use -> tool_calls, tool_result -> tool).
-    System messages inside `messages` join the neighbouring user turn (`prompts.fold_system_messages`)."""
+    System messages inside `messages` become reminders in place (`prompts.fold_system_messages`)."""
     out: List[Dict[str, Any]] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system, "system")})

@@ -5,8 +5,8 @@ Requests: `input` (a string, or items: messages with text parts, call items `fun
 `local_shell_call` and their `*_output` items; other items, `reasoning` among them, are skipped), `instructions`
 (a leading system message, not carried over to later turns), `tools` (function, namespace and custom tools, see
 server/responses_tools.py; others are left out) and `tool_choice`, and `previous_response_id`, which puts the
-stored conversation of that response before `input`. System and developer messages after the first turn join
-the neighbouring user turn (`prompts.fold_system_messages`). The prompt is built by `server/prompts.py`, so the
+stored conversation of that response before `input`. System and developer messages after the first turn become
+reminders where they stand (`prompts.fold_system_messages`). The prompt is built by `server/prompts.py`, so the
 prefix cache serves the shared history and `usage.input_tokens_details.cached_tokens` counts it.
 
 Replies: output items `reasoning`, `message` (one `output_text` part), `function_call` and `custom_tool_call`; streamed as OpenAI's
