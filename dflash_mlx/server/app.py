@@ -156,10 +156,9 @@ class Server:
         limit = self.context_length
         # A request without a limit gets what the context leaves (as OpenAI does): agents such as Codex send none
         # and fail a turn that ends early. `--max-tokens` caps it where set.
-        max_tokens = max_tokens or self.settings.default_max_tokens
+        max_tokens = max_tokens or self.settings.default_max_tokens or limit or NO_CONTEXT_MAX_TOKENS
         if limit is not None:
-            max_tokens = min(max_tokens or limit, limit - n)
-        max_tokens = max_tokens or NO_CONTEXT_MAX_TOKENS
+            max_tokens = min(max_tokens, limit - n)
         option = lambda name, default: default if getattr(body, name, None) is None else getattr(body, name)
         sampling = dict(temp=option("temperature", self.settings.temperature), top_p=option("top_p", 1.0),
                         top_k=option("top_k", 0), min_p=option("min_p", 0.0))

@@ -41,9 +41,6 @@ from .tools import openai_tool_choice
 logger = logging.getLogger("dflash_mlx.server")
 
 
-_id = new_id
-
-
 # -- request -> chat messages ----------------------------------------------------------------------------------
 def chat_tool_choice(choice: Any) -> Any:
     """Responses `tool_choice` -> chat-completions form: a named function or custom tool ({"type": "function" |
@@ -72,6 +69,7 @@ def input_messages(items: Any) -> List[Dict[str, Any]]:
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         where = f"input.{i}"
+        call = history_call(item)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -79,15 +77,16 @@ def input_messages(items: Any) -> List[Dict[str, Any]]:
                                     f"{role!r}", param=f"{where}.role")
             out.append({"role": "system" if role == "developer" else role,
                         "content": prompts.text_of(item.get("content"), f"{where}.content")})
-        elif history_call(item) is not None:
-            call_id, name, arguments = history_call(item)
+        elif call is not None:
+            call_id, name, arguments = call
             if not isinstance(name, str) or not isinstance(call_id, str):
                 raise APIError(400, f"{where}: a {kind} item needs 'call_id' and 'name'", param=where)
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
+            chat_call = {"id": call_id, "type": "function",
+                         "function": {"name": name, "arguments": _arguments(arguments)}}
             if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
+                out[-1].setdefault("tool_calls", []).append(chat_call)
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append({"role": "assistant", "content": "", "tool_calls": [chat_call]})
         elif kind in OUTPUT_ITEMS:
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a {kind} item needs the 'call_id' of its call",
@@ -126,7 +125,7 @@ class ResponsesFormatter:
     """Fed the generation's events; builds the output items and the SSE events that stream them."""
 
     def __init__(self, model: str, router: OutputRouter, body: ResponsesRequest, tools: Optional[ToolSet] = None):
-        self.id = _id("resp")
+        self.id = new_id("resp")
         self.tools = tools or ToolSet()
         self.created = int(time.time())
         self.model = model
@@ -147,10 +146,10 @@ class ResponsesFormatter:
     def _open(self, kind: str) -> List[str]:
         events = self._close()
         if kind == "message":
-            item = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+            item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
                     "content": []}
         else:
-            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": []}
         self.items.append(item)
         self.open = kind
         events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
