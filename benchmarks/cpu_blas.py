@@ -40,7 +40,7 @@ def child(model_name: str, k: int, reps: int) -> dict:
     from mlx_lm.utils import load
 
     from dflash_mlx import _blas
-    from dflash_mlx.offline_models import ensure_offline_model
+    from dflash_mlx.models.offline import ensure_offline_model
 
     n = 1024
     a, b = mx.random.normal((n, n)), mx.random.normal((n, n))

@@ -23,11 +23,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dflash_mlx.acceptance import GreedyAcceptor, SamplingAcceptor
-from dflash_mlx.config import DFlashConfig
-from dflash_mlx.dflash2 import DFlash2Config, DFlash2Drafter
-from dflash_mlx.drafter import DFlashDrafter, TargetBinding
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.decode.acceptance import GreedyAcceptor, SamplingAcceptor
+from dflash_mlx.drafters.config import DFlashConfig
+from dflash_mlx.drafters.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash_mlx.drafters.dflash import DFlashDrafter, TargetBinding
+from dflash_mlx.decode.sampling import SamplingParams
 
 
 def _randomize(module: nn.Module, seed: int) -> nn.Module:

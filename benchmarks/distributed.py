@@ -35,8 +35,8 @@ import mlx.core as mx
 
 from dflash_mlx.api import prepare
 from dflash_mlx.distributed.comm import allsum_latency, collectives_per_pass
-from dflash_mlx.drafter_io import load_drafter
-from dflash_mlx.engine import dflash_generate_step
+from dflash_mlx.drafters.io import load_drafter
+from dflash_mlx.decode.engine import dflash_generate_step
 
 MODES = ("single", "tensor", "tensor-bcast", "tensor-bcast-ids", "pipeline")
 PROMPTS = [
@@ -157,8 +157,8 @@ def _tiny_models(root: Path) -> Dict[str, tuple]:
     """Random mid-size llama (tensor parallel) and qwen3_5 (tensor and pipeline) targets with random drafters."""
     from mlx_lm.utils import _get_classes, save_config, save_model
 
-    from dflash_mlx.config import DFlashConfig
-    from dflash_mlx.drafter_io import build_drafter, save_drafter
+    from dflash_mlx.drafters.config import DFlashConfig
+    from dflash_mlx.drafters.io import build_drafter, save_drafter
 
     common = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6, vocab_size=8192,
@@ -248,7 +248,7 @@ def main() -> int:
         if args.tiny:
             pairs = _tiny_models(Path(tmp))
         else:
-            from dflash_mlx.loading import resolve_name
+            from dflash_mlx.models.loading import resolve_name
 
             target, drafter = resolve_name(args.model, None, args.draft) if not Path(args.model).exists() \
                 else (args.model, args.draft)

@@ -26,9 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dflash_mlx import _blas
-from dflash_mlx import offline_models as models
+from dflash_mlx.models import offline as models
 from dflash_mlx.api import load, prepare
-from dflash_mlx.drafter_io import load_drafter
+from dflash_mlx.drafters.io import load_drafter
 
 
 def _median_ms(fn, reps: int) -> float:

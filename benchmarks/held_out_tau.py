@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from dflash_mlx import DFlashError, load
-    from dflash_mlx.loading import prepare
+    from dflash_mlx.models.loading import prepare
     from dflash_mlx.train.data import eos_id
     from dflash_mlx.train.trainer import held_out_tau
 

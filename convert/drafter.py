@@ -2,7 +2,7 @@
 
 The output is a directory with a normalized `config.json` (`model_type: "dflash"`, sorted keys) and one
 `model.safetensors` in the chosen dtype, optionally quantized. Converting the same input twice gives
-byte-identical files. Reading and checking is shared with `dflash_mlx.drafter_io.load_drafter`.
+byte-identical files. Reading and checking is shared with `dflash_mlx.drafters.io.load_drafter`.
 The directory appears only when complete (a temporary folder renamed into place); a non-empty one is replaced
 only with `force`.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from dflash_mlx.drafter_io import (
+from dflash_mlx.drafters.io import (
     check_quantization,
     parse_dtype,
     quantize_drafter,

@@ -18,15 +18,15 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .acceptance import Acceptor
-from .drafter import DFlashDrafter
-from .engine import DecodeState
+from .decode.acceptance import Acceptor
+from .drafters.dflash import DFlashDrafter
+from .decode.engine import DecodeState
 from .errors import DFlashError
-from .generation import Generation
-from .loading import load, prepare
-from .lookup import LOOKUP_ONLY
-from .stats import AcceptanceStats
-from .width import Width
+from .decode.generation import Generation
+from .models.loading import load, prepare
+from .decode.lookup import LOOKUP_ONLY
+from .decode.stats import AcceptanceStats
+from .decode.width import Width
 
 __all__ = ["DFlashResponse", "generate", "load", "prepare", "print_stats", "stream_generate"]
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
 from . import console
-from .engine import DecodeState
+from .decode.engine import DecodeState
 from .errors import DFlashError
 from .io_safety import write_text_atomic
-from .stats import AcceptanceStats
+from .decode.stats import AcceptanceStats
 
 HELP = """commands:
   /reset           forget the conversation (keeps the system prompt)
@@ -241,7 +241,7 @@ _SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep", "seed
 def check_sampling(sampling: Dict) -> None:
     """Raise a one-line DFlashError for a sampling value `stream_generate` would refuse (or that would make every
     reply fail or be meaningless): numbers only, finite, in range."""
-    from .sampling import SamplingParams, check_seed
+    from .decode.sampling import SamplingParams, check_seed
 
     for key, value in sampling.items():
         if value is None:

@@ -32,7 +32,7 @@ from typing import List, Optional  # noqa: E402
 import typer  # noqa: E402
 
 from .errors import DFlashError  # noqa: E402
-from .offline_models import DEFAULT_MODEL  # noqa: E402
+from .models.offline import DEFAULT_MODEL  # noqa: E402
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -134,7 +134,7 @@ def generate(
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
     from . import console
-    from .sampling import SamplingParams, check_seed
+    from .decode.sampling import SamplingParams, check_seed
     from .validate import check_max_tokens
 
     check_max_tokens(max_tokens)
@@ -152,7 +152,7 @@ def generate(
     if no_lookup:
         options["lookup"] = False
     if verbose:
-        from .drafter_families import describe
+        from .drafters.families import describe
 
         what = "none: lookup drafting from the context alone" if drafter == "lookup" else describe(drafter)
         print(f"drafter: {what}", file=sys.stderr)
@@ -186,7 +186,7 @@ def chat(
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
     from . import console
     from .chat import ChatSession, run_repl
-    from .sampling import SamplingParams, check_seed
+    from .decode.sampling import SamplingParams, check_seed
     from .validate import check_max_tokens
 
     check_max_tokens(max_tokens)
@@ -406,7 +406,7 @@ def bench(
         typer.echo(f"wrote {path}")
 
 
-from .offline_models import models_app  # noqa: E402  (light: mlx loads only when a model is converted)
+from .models.offline import models_app  # noqa: E402  (light: mlx loads only when a model is converted)
 
 app.add_typer(models_app, name="models")
 

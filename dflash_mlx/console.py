@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import api
-from .refs import is_repo_id
+from .models.refs import is_repo_id
 from .validate import LONG_PROMPT_TOKENS, block_size_warning, check_model_dir, prompt_length_warning
 
 
@@ -23,7 +23,7 @@ def load_checked(model: str, draft: Optional[str], quant: Optional[str]):
     """`api.load(model, draft, quant=quant)`, with broken local files and an unreachable hub named first."""
     local = Path(model).expanduser()
     if is_repo_id(model):
-        from .hub import fetch_target
+        from .models.hub import fetch_target
 
         local = fetch_target(model)  # a hub repo id: an unreachable hub is named as such
         model = str(local)

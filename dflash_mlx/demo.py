@@ -19,8 +19,8 @@ from typing import Any, Dict, Tuple
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .config import DFlashConfig
-from .drafter import DFlashDrafter
+from .drafters.config import DFlashConfig
+from .drafters.dflash import DFlashDrafter
 
 ARCHS = ("qwen3", "qwen2", "llama")
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 4, 2, 16, 128

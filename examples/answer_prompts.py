@@ -28,7 +28,7 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--minutes", type=float, default=None, help="stop starting new batches after this long")
     args = parser.parse_args(argv)
 
-    from dflash_mlx.loading import load_target, resolve_target
+    from dflash_mlx.models.loading import load_target, resolve_target
     from dflash_mlx.train.data import eos_id, prompt_chats, regenerate, write_answers
 
     model, tokenizer = load_target(resolve_target(args.target))

@@ -19,13 +19,13 @@ from pathlib import Path
 from openai import OpenAI
 
 from dflash_mlx import load
-from dflash_mlx.offline_models import DEFAULT_MODEL
+from dflash_mlx.models.offline import DEFAULT_MODEL
 from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 
 
 def _context(chars: int) -> str:
     # Real code makes a realistic long first turn: this package's own engine.
-    import dflash_mlx.engine as engine
+    import dflash_mlx.decode.engine as engine
 
     return Path(engine.__file__).read_text()[:chars]
 
@@ -34,9 +34,9 @@ def _random_pair(name: str, block_size: int = 8):
     """The target with an untrained drafter that fits it (acceptance is near zero; prefill cost is what counts)."""
     from mlx_lm import load as mlx_lm_load
 
-    from dflash_mlx import offline_models as models
-    from dflash_mlx.config import DFlashConfig
-    from dflash_mlx.drafter import DFlashDrafter
+    from dflash_mlx.models import offline as models
+    from dflash_mlx.drafters.config import DFlashConfig
+    from dflash_mlx.drafters.dflash import DFlashDrafter
 
     path = name if Path(name).is_dir() else str(models.ensure_offline_model(name))
     model, tokenizer = mlx_lm_load(path)

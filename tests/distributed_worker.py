@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cache_compare import assert_caches_equal  # noqa: E402
 from tiny import SteeredDFlashDrafter, corrupt_every  # noqa: E402
 
-from dflash_mlx.acceptance import make_acceptor  # noqa: E402
-from dflash_mlx.drafter_io import read_config, read_weights  # noqa: E402
-from dflash_mlx.engine import DecodeState, dflash_generate_step  # noqa: E402
+from dflash_mlx.decode.acceptance import make_acceptor  # noqa: E402
+from dflash_mlx.drafters.io import read_config, read_weights  # noqa: E402
+from dflash_mlx.decode.engine import DecodeState, dflash_generate_step  # noqa: E402
 from dflash_mlx.distributed import agree_on_width  # noqa: E402
-from dflash_mlx.loading import prepare  # noqa: E402
-from dflash_mlx.width import WidthPolicy  # noqa: E402
+from dflash_mlx.models.loading import prepare  # noqa: E402
+from dflash_mlx.decode.width import WidthPolicy  # noqa: E402
 
 
 def _run(target, drafter, prompt: List[int], spec: Dict[str, Any], sampling: Dict[str, Any],
@@ -105,7 +105,7 @@ def steered_drafter(drafter_dir: str, spec: Dict[str, Any]) -> SteeredDFlashDraf
 def job_drafter(drafter_dir: str, spec: Dict[str, Any]):
     """The job's drafter: a saved DSpark drafter as it is (spec family "dspark"), else the steered DFlash one."""
     if spec.get("family") == "dspark":
-        from dflash_mlx.drafter_io import load_drafter
+        from dflash_mlx.drafters.io import load_drafter
 
         return load_drafter(drafter_dir)
     return steered_drafter(drafter_dir, spec)

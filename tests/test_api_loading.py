@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 
-from dflash_mlx import api, loading
-from dflash_mlx.acceptance import GreedyAcceptor
+from dflash_mlx import api
+from dflash_mlx.models import loading
+from dflash_mlx.decode.acceptance import GreedyAcceptor
 from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.width import WidthPolicy, nominal_cost
+from dflash_mlx.decode.width import WidthPolicy, nominal_cost
 
 
 @pytest.fixture(scope="module")

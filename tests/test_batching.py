@@ -1,4 +1,4 @@
-"""Continuous batching (dflash_mlx.batching, targets/ragged.py): generations that share verify passes, joining and
+"""Continuous batching (dflash_mlx.decode.batching, targets/ragged.py): generations that share verify passes, joining and
 leaving between passes, each produce exactly what they produce alone (greedy, and seeded sampling)."""
 
 from typing import Dict, List
@@ -10,9 +10,9 @@ from mlx_lm.utils import _get_classes
 from mlx.utils import tree_flatten
 
 from cache_compare import CONFIGS
-from dflash_mlx.batching import Batch, BatchedGeneration
-from dflash_mlx.generation import Generation
-from dflash_mlx.oracle import OracleDrafter
+from dflash_mlx.decode.batching import Batch, BatchedGeneration
+from dflash_mlx.decode.generation import Generation
+from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 from dflash_mlx.targets.ragged import plain_attention, ragged_forward, splittable
 from tiny import VOCAB, make_drafter, prompt_ids, randomize, reference, target
@@ -181,7 +181,7 @@ def test_seeded_sampling_batch_equals_alone():
 def test_a_request_closed_with_an_unyielded_pass_keeps_exact_caches(kind):
     """A member whose next pass was run by a neighbour but never yielded (the server's hang-up between two rounds)
     is closed: its caches hold exactly the tokens it yielded, so a later turn on them (the prefix cache) is exact."""
-    from dflash_mlx.engine import DecodeState
+    from dflash_mlx.decode.engine import DecodeState
     from tiny import greedy
 
     model = _hybrid() if kind == "qwen3_5" else target(kind)

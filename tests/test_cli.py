@@ -9,9 +9,9 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.cli import main
-from dflash_mlx.config import DFlashConfig
+from dflash_mlx.drafters.config import DFlashConfig
 from dflash_mlx.demo import make_tiny_pair
-from dflash_mlx.drafter_io import build_drafter, save_drafter
+from dflash_mlx.drafters.io import build_drafter, save_drafter
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def _steered_load(monkeypatch, pair, prompt, max_tokens, spoil_every=3):
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import api
-    from dflash_mlx.drafter_io import read_config, read_weights
+    from dflash_mlx.drafters.io import read_config, read_weights
     from tiny import SteeredDFlashDrafter, corrupt_every
 
     model, tokenizer, _ = api.load(str(pair[0]), str(pair[1]))

@@ -18,10 +18,10 @@ from mlx_lm.models import qwen3
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from dflash_mlx.config import DFlashConfig
+from dflash_mlx.drafters.config import DFlashConfig
 from dflash_mlx.convert.drafter import convert_drafter
-from dflash_mlx.drafter import DFlashDrafter, TargetBinding
-from dflash_mlx.drafter_io import load_drafter
+from dflash_mlx.drafters.dflash import DFlashDrafter, TargetBinding
+from dflash_mlx.drafters.io import load_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.targets import TargetModel
 

@@ -19,11 +19,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 import tiny
-from dflash_mlx.acceptance import SamplingAcceptor
-from dflash_mlx.dflash2 import DFlash2Config, DFlash2Drafter
-from dflash_mlx.drafter import TargetBinding
-from dflash_mlx.drafter_families import describe
-from dflash_mlx.drafter_io import load_drafter, quantize_drafter, read_drafter
+from dflash_mlx.decode.acceptance import SamplingAcceptor
+from dflash_mlx.drafters.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash_mlx.drafters.dflash import TargetBinding
+from dflash_mlx.drafters.families import describe
+from dflash_mlx.drafters.io import load_drafter, quantize_drafter, read_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.targets import TargetModel
 
@@ -264,7 +264,7 @@ def test_missing_selector_tensor_is_named(tmp_path):
 
 # -- registry ------------------------------------------------------------------------------------------------------------
 def test_registry_names_dflash2_pairs_whose_targets_mlx_lm_loads():
-    from dflash_mlx import registry
+    from dflash_mlx.models import registry
 
     for name, drafter in (("Qwen3.8-27B", "incoai/Qwen3.8-27B-DFlash2"),
                           ("Muse-Glimmer-30B", "z-lab/Muse-Glimmer-30B-DFlash2")):
@@ -276,7 +276,7 @@ def test_registry_names_dflash2_pairs_whose_targets_mlx_lm_loads():
 def test_registry_says_in_one_line_when_mlx_lm_lacks_the_target_architecture(monkeypatch):
     import dataclasses
 
-    from dflash_mlx import registry
+    from dflash_mlx.models import registry
 
     real = registry.entries()
     fake = dict(real, **{"Qwen3.8-27B": dataclasses.replace(real["Qwen3.8-27B"], architecture="no_such_arch")})

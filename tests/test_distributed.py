@@ -19,9 +19,9 @@ from mlx_lm.utils import load_model, save_config, save_model
 
 from cache_compare import CONFIGS as FAMILY_CONFIGS
 from cache_compare import randomize
-from dflash_mlx.loading import prepare
+from dflash_mlx.models.loading import prepare
 from dflash_mlx.distributed.local import run_local
-from dflash_mlx.drafter_io import save_drafter
+from dflash_mlx.drafters.io import save_drafter
 from tiny import TARGET_CONFIGS, greedy, make_drafter
 
 WORKER = str(Path(__file__).with_name("distributed_worker.py"))
@@ -63,8 +63,8 @@ def _save_dspark(root: Path, target_dir: Path, spec: dict):
     """A DSpark drafter (Markov walk, confidence head) for the llama target, its Markov head following the target's
     greedy bigrams so drafts are accepted."""
     import numpy as np
-    from dflash_mlx.dspark import DSparkDrafter
-    from dflash_mlx.dspark_config import DSparkConfig
+    from dflash_mlx.drafters.dspark import DSparkDrafter
+    from dflash_mlx.drafters.dspark_config import DSparkConfig
     from tiny import num_layers, randomize as randomize_module
 
     model, _ = load_model(target_dir)

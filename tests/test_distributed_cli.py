@@ -20,7 +20,7 @@ from cache_compare import CONFIGS, build
 from dflash_mlx.cli import main
 from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.distributed.local import free_ports, run_local, write_hostfile
-from dflash_mlx.drafter_io import save_drafter
+from dflash_mlx.drafters.io import save_drafter
 from tiny import make_drafter
 
 LIMIT = 120  # seconds per launch (a shared, loaded machine is slow; a hang is killed)

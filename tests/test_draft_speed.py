@@ -10,8 +10,8 @@ import pytest
 from mlx.utils import tree_flatten
 from tiny import VOCAB, make_drafter, prompt_ids, reference, run_dflash, target
 
-from dflash_mlx.acceptance import GreedyAcceptor
-from dflash_mlx.drafter_io import load_drafter, quantize_drafter, save_drafter
+from dflash_mlx.decode.acceptance import GreedyAcceptor
+from dflash_mlx.drafters.io import load_drafter, quantize_drafter, save_drafter
 
 DRAFT_VOCAB = 40
 

@@ -19,18 +19,18 @@ import numpy as np
 import pytest
 
 import tiny
-from dflash_mlx.acceptance import SamplingAcceptor
+from dflash_mlx.decode.acceptance import SamplingAcceptor
 from dflash_mlx.convert.drafter import convert_drafter
-from dflash_mlx.drafter import TargetBinding
-from dflash_mlx.drafter_families import describe
-from dflash_mlx.drafter_io import load_drafter, read_config
-from dflash_mlx.dspark import DSparkDrafter
-from dflash_mlx.dspark_config import DSparkConfig
+from dflash_mlx.drafters.dflash import TargetBinding
+from dflash_mlx.drafters.families import describe
+from dflash_mlx.drafters.io import load_drafter, read_config
+from dflash_mlx.drafters.dspark import DSparkDrafter
+from dflash_mlx.drafters.dspark_config import DSparkConfig
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.loading import load_target, prepare
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.models.loading import load_target, prepare
+from dflash_mlx.decode.sampling import SamplingParams
 from dflash_mlx.targets import TargetModel
-from dflash_mlx.width import WidthPolicy, nominal_cost
+from dflash_mlx.decode.width import WidthPolicy, nominal_cost
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import make_dspark  # noqa: E402

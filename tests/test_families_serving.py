@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import tiny
-from dflash_mlx.loading import load_target
+from dflash_mlx.models.loading import load_target
 from dflash_mlx.chat import ChatSession
 from dflash_mlx.demo import make_tiny_pair
-from dflash_mlx.dflash2 import DFlash2Config, DFlash2Drafter
-from dflash_mlx.dspark import DSparkDrafter
-from dflash_mlx.dspark_config import DSparkConfig
+from dflash_mlx.drafters.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash_mlx.drafters.dspark import DSparkDrafter
+from dflash_mlx.drafters.dspark_config import DSparkConfig
 from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 
 PROMPTS = [[5, 17, 23, 8, 41], [12, 3, 77, 9], [30, 31, 32, 33, 34, 35, 36]]

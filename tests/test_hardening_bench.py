@@ -12,7 +12,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from dflash_mlx.bench.methods import DFlashMethod
 from dflash_mlx.cli import main
 from dflash_mlx.demo import make_tiny_pair
-from dflash_mlx.drafter_io import load_drafter
+from dflash_mlx.drafters.io import load_drafter
 
 PROMPTS = [{"id": "a", "prompt": "What is 2 + 2?"}, {"id": "b", "prompt": "def add(a, b):"}]
 MAX_TOKENS = 12

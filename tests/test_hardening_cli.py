@@ -80,7 +80,7 @@ def test_convert_refuses_a_non_empty_folder_unless_forced(pair, tmp_path, capsys
 
 
 def test_convert_on_a_full_disk_leaves_nothing_behind(pair, tmp_path, capsys, monkeypatch):
-    from dflash_mlx import drafter_io
+    from dflash_mlx.drafters import io as drafter_io
 
     real_open = open
 
@@ -362,7 +362,7 @@ sys.exit(main(sys.argv[2:]))
 def test_ctrl_c_during_imports_exits_quietly(pair):
     # While the CLI module loads its parts (SIGINT as it imports its first package module; the heavy ones, such as
     # the train command's mlx-lm, load in the same window). Imports inside a command take the path tested below.
-    module = "dflash_mlx.offline_models"
+    module = "dflash_mlx.models.offline"
     done = subprocess.run([sys.executable, "-c", _INTERRUPT_ON_IMPORT, module, "generate", "-m", str(pair[0]),
                            "-d", str(pair[1]), "-p", "hi"], capture_output=True, text=True, timeout=120, env=_env())
     assert done.returncode == 130, done.stderr

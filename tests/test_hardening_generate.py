@@ -10,7 +10,7 @@ import pytest
 from dflash_mlx.cli import main
 from dflash_mlx.demo import make_tiny_pair
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.sampling import check_seed
+from dflash_mlx.decode.sampling import check_seed
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_seed_range_is_checked_where_sampling_starts():
     for bad in (-1, 2**64, 1.5, True):
         with pytest.raises(DFlashError, match="from 0 to 2"):
             check_seed(bad)
-    from dflash_mlx.acceptance import make_acceptor
+    from dflash_mlx.decode.acceptance import make_acceptor
 
     with pytest.raises(DFlashError, match="seed must be"):
         make_acceptor(temp=0.5, seed=-3)
@@ -110,7 +110,7 @@ def test_collapse_warning_waits_for_the_end_of_the_text(pair, caplog):
     import logging
 
     from dflash_mlx import api
-    from dflash_mlx.width import WidthPolicy, nominal_cost
+    from dflash_mlx.decode.width import WidthPolicy, nominal_cost
 
     model, tokenizer, drafter = api.load(str(pair[0]), str(pair[1]))  # random drafter: drafts never accepted
     width = WidthPolicy(drafter.block_size, cost=nominal_cost)
@@ -128,7 +128,7 @@ def test_collapse_warning_waits_for_the_end_of_the_text(pair, caplog):
 def test_collapse_causes_fit_what_the_engine_knows(pair):
     """The drafter picked for a target by name was made for it: the warning blames the prompt, not the pairing."""
     from dflash_mlx import api
-    from dflash_mlx.stats import AcceptanceStats, CollapseWatch
+    from dflash_mlx.decode.stats import AcceptanceStats, CollapseWatch
 
     stats = AcceptanceStats(adaptive=True)
     for _ in range(40):

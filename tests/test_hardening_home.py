@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from dflash_mlx import offline_models as models
+from dflash_mlx.models import offline as models
 from dflash_mlx.cli import main
 
 from test_models_cli import fake  # noqa: F401  (fixture: a tiny offline model made of two local wheels)

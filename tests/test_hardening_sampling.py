@@ -15,10 +15,10 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import tiny
-from dflash_mlx.acceptance import SamplingAcceptor
+from dflash_mlx.decode.acceptance import SamplingAcceptor
 from dflash_mlx.cli import main
 from dflash_mlx.demo import make_tiny_pair
-from dflash_mlx.oracle import OracleDrafter
+from dflash_mlx.drafters.oracle import OracleDrafter
 from test_sampling import ALPHA, E2E_BLOCK, E2E_VOCAB, FILTERS, PROMPT, chi2_pvalue, exact_target_joint, joint_counts
 
 PROMPT_TEXT = "Tell me something"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 import tiny
-from dflash_mlx.engine import DecodeState
-from dflash_mlx.generation import Generation
-from dflash_mlx.lookup import LookupIndex
-from dflash_mlx.sources import DFLASH, LOOKUP, PLAIN, SourceChoice, match_bucket
-from dflash_mlx.stats import AcceptanceStats
-from dflash_mlx.width import WidthPolicy
+from dflash_mlx.decode.engine import DecodeState
+from dflash_mlx.decode.generation import Generation
+from dflash_mlx.decode.lookup import LookupIndex
+from dflash_mlx.decode.sources import DFLASH, LOOKUP, PLAIN, SourceChoice, match_bucket
+from dflash_mlx.decode.stats import AcceptanceStats
+from dflash_mlx.decode.width import WidthPolicy
 
 
 # -- the index ---------------------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_the_index_follows_a_conversation_across_generations():
 
 # -- the choice ----------------------------------------------------------------------------------------------------
 def _offer(choice, tokens, match):
-    from dflash_mlx.lookup import LookupDraft
+    from dflash_mlx.decode.lookup import LookupDraft
 
     choice.offer(LookupDraft(list(tokens), match))
 
@@ -184,7 +184,7 @@ def test_choice_weighs_lookup_against_dflash_and_takes_supplied_rates():
     for _ in range(30):  # the drafter gets every slot accepted: E(4) = 4
         choice.choose()
         choice.record(4, 3, 1.0)
-    from dflash_mlx.sources import Offer
+    from dflash_mlx.decode.sources import Offer
 
     # A weak lookup offer loses to the drafter; one with supplied high per-slot rates wins.
     choice._offer = Offer(LOOKUP, 8, list(range(7)), 2, rates=[0.3] * 7)

@@ -10,10 +10,10 @@ import zipfile
 import dflash_mlx  # noqa: F401  (first: OpenBLAS before mlx)
 import pytest
 
-from dflash_mlx import offline_models as models
+from dflash_mlx.models import offline as models
 from dflash_mlx.cli import main
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.offline_models import OfflineModel, ensure_offline_model
+from dflash_mlx.models.offline import OfflineModel, ensure_offline_model
 
 from test_gguf import CONFIGS, _export, _tiny
 

@@ -15,11 +15,11 @@ import mlx.nn as nn
 import pytest
 
 import dflash_mlx
-from dflash_mlx.engine import dflash_generate_step
+from dflash_mlx.decode.engine import dflash_generate_step
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.loading import prepare
+from dflash_mlx.models.loading import prepare
 from dflash_mlx.metal import verify_qmm as vq
-from dflash_mlx.pairing import check_pair
+from dflash_mlx.models.pairing import check_pair
 from dflash_mlx.targets import TargetModel
 from tiny import build_target, greedy, make_drafter, prompt_ids
 

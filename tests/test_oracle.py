@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.engine import DecodeState
-from dflash_mlx.oracle import OracleDrafter
+from dflash_mlx.decode.engine import DecodeState
+from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 from tiny import (
     CORE_KINDS, VOCAB, SteeredDFlashDrafter, corrupt_every, make_drafter, prompt_ids, reference, run_dflash, target,

@@ -70,7 +70,7 @@ def test_wheel_contains_subpackages_and_kernel_sources(wheel):
                  for p in (REPO / "dflash_mlx").rglob("*") if p.suffix in (".py", ".json")}
     # Shipped drafters: weights, config and model card.
     expected |= {f"dflash_mlx/{p.relative_to(REPO / 'dflash_mlx').as_posix()}"
-                 for p in (REPO / "dflash_mlx" / "drafters").glob("*/*")}
+                 for p in (REPO / "dflash_mlx" / "drafters").glob("*/*") if p.parent.name != "__pycache__"}
     assert "dflash_mlx/metal/dflash_common.h" in expected
     assert expected <= names, f"missing from wheel: {sorted(expected - names)}"
     assert not any(n.startswith(("convert/", "metal/")) for n in names), "top-level convert/ or metal/ leaked"
@@ -104,9 +104,9 @@ def test_demo_pair_loads(tmp_path, capsys):
     import mlx_lm
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.config import DFlashConfig
+    from dflash_mlx.drafters.config import DFlashConfig
     from dflash_mlx.demo import main
-    from dflash_mlx.drafter import DFlashDrafter
+    from dflash_mlx.drafters.dflash import DFlashDrafter
 
     assert main([str(tmp_path)]) == 0
     target_dir, drafter_dir = (Path(line) for line in capsys.readouterr().out.split())

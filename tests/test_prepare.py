@@ -5,8 +5,8 @@ import pytest
 
 from cache_compare import VOCAB, randomize, shared
 from dflash_mlx.api import prepare
-from dflash_mlx.config import DFlashConfig
-from dflash_mlx.drafter import DFlashDrafter
+from dflash_mlx.drafters.config import DFlashConfig
+from dflash_mlx.drafters.dflash import DFlashDrafter
 
 
 def _drafter(hidden: int, layers: int, **knobs) -> DFlashDrafter:

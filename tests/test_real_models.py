@@ -17,12 +17,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
 from dflash_mlx import api
-from dflash_mlx.config import DFlashConfig
-from dflash_mlx.drafter_io import build_drafter
-from dflash_mlx.engine import dflash_generate_step
+from dflash_mlx.drafters.config import DFlashConfig
+from dflash_mlx.drafters.io import build_drafter
+from dflash_mlx.decode.engine import dflash_generate_step
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.offline_models import ensure_offline_model
-from dflash_mlx.oracle import OracleDrafter
+from dflash_mlx.models.offline import ensure_offline_model
+from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 from dflash_mlx.targets.families import family_for
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mlx import api, hub, loading, registry
+from dflash_mlx import api
+from dflash_mlx.models import hub, loading, registry
 from dflash_mlx.errors import DFlashError
 
 EXPECTED_DRAFTERS = {

@@ -23,12 +23,12 @@ from scipy import stats
 import tiny
 from test_lookup import ScriptedChoice
 from test_width import Scheduled
-from dflash_mlx.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor, make_acceptor
+from dflash_mlx.decode.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor, make_acceptor
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.lookup import LookupIndex
-from dflash_mlx.sources import LOOKUP
-from dflash_mlx.oracle import OracleDrafter
-from dflash_mlx.sampling import SamplingParams, log_distribution
+from dflash_mlx.decode.lookup import LookupIndex
+from dflash_mlx.decode.sources import LOOKUP
+from dflash_mlx.drafters.oracle import OracleDrafter
+from dflash_mlx.decode.sampling import SamplingParams, log_distribution
 
 ALPHA = 1e-3
 
@@ -407,7 +407,7 @@ def pair(tmp_path_factory):
 
 def _record_acceptors(monkeypatch):
     """Record make_acceptor's arguments; decode greedily (no filter kernels to compile)."""
-    from dflash_mlx import generation
+    from dflash_mlx.decode import generation
 
     calls = []
     monkeypatch.setattr(generation, "make_acceptor", lambda *a, **k: calls.append((a, k)) or GreedyAcceptor())

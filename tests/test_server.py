@@ -302,7 +302,7 @@ def test_anthropic_messages(pair, live):
 
 def test_lazy_weights_made_on_another_thread(pair):
     """A drafter whose weights were never evaluated (built on this thread) still serves from the worker thread."""
-    from dflash_mlx.drafter import DFlashDrafter
+    from dflash_mlx.drafters.dflash import DFlashDrafter
 
     model, tokenizer, drafter = pair
     fresh = DFlashDrafter(drafter.config)  # lazy random weights

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 
 from dflash_mlx import generate
-from dflash_mlx.offline_models import get_model, model_dir
+from dflash_mlx.models.offline import get_model, model_dir
 from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 from tiny import make_drafter
 

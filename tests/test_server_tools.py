@@ -215,7 +215,7 @@ def test_bare_json_call(live):
 
 @pytest.fixture(scope="module")
 def coder():
-    from dflash_mlx.offline_models import DEFAULT_MODEL
+    from dflash_mlx.models.offline import DEFAULT_MODEL
 
     model, tokenizer, drafter = load(DEFAULT_MODEL)
     running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name="coder")))

@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import api
-from dflash_mlx import offline_models as models
+from dflash_mlx.models import offline as models
 from dflash_mlx.cli import main
-from dflash_mlx.drafter_io import load_drafter
+from dflash_mlx.drafters.io import load_drafter
 from dflash_mlx.errors import DFlashError
 
 from test_real_models import _install, _prompt_ids

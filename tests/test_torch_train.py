@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from dflash_mlx.drafter_io import read_drafter, save_drafter  # noqa: E402
+from dflash_mlx.drafters.io import read_drafter, save_drafter  # noqa: E402
 from dflash_mlx.torch_train.checkpoint import load_drafter, save_drafter as torch_save  # noqa: E402
 from dflash_mlx.train.vocab import maps  # noqa: E402
 from tiny import VOCAB, make_drafter, target  # noqa: E402
@@ -131,7 +131,7 @@ def test_a_drafter_trained_in_torch_drafts_for_our_engine_losslessly(tmp_path):
     import mlx_lm
 
     from dflash_mlx import generate, load
-    from dflash_mlx.loading import prepare
+    from dflash_mlx.models.loading import prepare
     from dflash_mlx.torch_train.train import main
     from dflash_mlx.train.trainer import held_out_tau
     from convert.drafter import convert_drafter
@@ -209,8 +209,8 @@ def test_the_pytorch_target_from_a_real_gguf_is_ours(tmp_path):
     import shutil
 
     from dflash_mlx.errors import DFlashError
-    from dflash_mlx.loading import load_target as mlx_load
-    from dflash_mlx.offline_models import ensure_gguf, ensure_offline_model
+    from dflash_mlx.models.loading import load_target as mlx_load
+    from dflash_mlx.models.offline import ensure_gguf, ensure_offline_model
     from dflash_mlx.targets import TargetModel
     from dflash_mlx.torch_train.target import load_target
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx.drafter_io import load_drafter, save_drafter
-from dflash_mlx.engine import dflash_generate_step
+from dflash_mlx.drafters.io import load_drafter, save_drafter
+from dflash_mlx.decode.engine import dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.train import block_hidden, block_loss, block_mask, default_gamma, sample_anchors, slot_weights
 from dflash_mlx.train.masks import band_limits, sample_banded_anchors

@@ -6,7 +6,7 @@ import random
 import pytest
 
 import tiny
-from dflash_mlx.width import FixedWidth, WidthPolicy, nominal_cost
+from dflash_mlx.decode.width import FixedWidth, WidthPolicy, nominal_cost
 
 B = 16
 

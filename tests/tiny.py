@@ -18,10 +18,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
 
-from dflash_mlx.config import DFlashConfig
-from dflash_mlx.drafter import DFlashDrafter, TargetBinding
-from dflash_mlx.engine import Cycle, DecodeState, dflash_generate_step
-from dflash_mlx.oracle import OracleDrafter
+from dflash_mlx.drafters.config import DFlashConfig
+from dflash_mlx.drafters.dflash import DFlashDrafter, TargetBinding
+from dflash_mlx.decode.engine import Cycle, DecodeState, dflash_generate_step
+from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 
 VOCAB = 97

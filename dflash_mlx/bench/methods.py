@@ -24,9 +24,9 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from ..engine import DecodeState, prefill
-from ..generation import Generation
-from ..oracle import OracleDrafter
+from ..decode.engine import DecodeState, prefill
+from ..decode.generation import Generation
+from ..drafters.oracle import OracleDrafter
 from ..targets import TargetModel
 
 PHASES = ("draft", "verify", "rollback", "host")

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import List, Optional
 
-from ..stats import AcceptanceStats
+from ..decode.stats import AcceptanceStats
 from .methods import PHASES
 
 GB = 1e9

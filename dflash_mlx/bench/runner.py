@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from ..distributed import bench as ranks
 from ..errors import DFlashError
-from ..sampling import check_seed
-from ..loading import load_target, prepare, resolve_target, shipped_drafter_for
+from ..decode.sampling import check_seed
+from ..models.loading import load_target, prepare, resolve_target, shipped_drafter_for
 from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, draft_costs, verify_costs
 from .prompts import encode_prompt, load_prompts
 from .report import summarize, write_chart, write_json
@@ -113,7 +113,7 @@ def _environment() -> Dict[str, str]:
 
 
 def _build_methods(cfg: BenchConfig, model):
-    from ..drafter_io import build_drafter, load_drafter
+    from ..drafters.io import build_drafter, load_drafter
     from ..targets import build_target
 
     plain = PlainMethod(model, cfg.temp)

@@ -26,7 +26,7 @@ def load_target(cfg):
     """(model, tokenizer) for this rank: the target split over the group. Rank 0 alone writes files."""
     from mlx_lm.utils import load_tokenizer
 
-    from ..loading import drafter_location, resolve_target
+    from ..models.loading import drafter_location, resolve_target
     from .sharding import load_sharded_model, target_path
 
     group = setup()

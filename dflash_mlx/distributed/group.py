@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..width import install_coordinator
+from ..decode.width import install_coordinator
 
 # Seconds to wait for the other ranks to connect; a launcher starts them within a second or two of each other.
 DEFAULT_TIMEOUT = 60.0

@@ -130,7 +130,7 @@ class PipelineTarget(TargetModel):
 
 def make_target(model: nn.Module, tap_layer_ids: Sequence[int] = (), **kwargs: Any) -> TargetModel:
     """The target for `model`: a `PipelineTarget` for a model split into stages, else a plain `TargetModel`.
-    Hand it to `dflash_mlx.loading.prepare(target, drafter)`."""
+    Hand it to `dflash_mlx.models.loading.prepare(target, drafter)`."""
     cls = PipelineTarget if PipelineTarget.claims(model) else TargetModel
     return cls(model, tap_layer_ids, **kwargs)
 

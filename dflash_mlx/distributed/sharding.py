@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import DFlashError
-from ..refs import is_repo_id
+from ..models.refs import is_repo_id
 from ..targets.adapter import model_type_of
-from ..loading import check_family
+from ..models.loading import check_family
 from ..targets.families import text_lm
 from .group import barrier, rank0_first, setup
 from .pipeline import FeatureExchange, make_target
@@ -91,7 +91,7 @@ def load_sharded_model(path: str, group: mx.distributed.Group, pipeline: bool = 
 
 def target_path(target: str, revision: Optional[str] = None) -> Path:
     """The local folder of a target given as a local directory or a hub repo id (fetched into the hub cache)."""
-    from ..hub import fetch_target
+    from ..models.hub import fetch_target
 
     local = Path(target).expanduser()
     if local.exists():
@@ -104,7 +104,7 @@ def target_path(target: str, revision: Optional[str] = None) -> Path:
 def _local_files(target: str, drafter: Optional[str], quant: Optional[str], revision: Optional[str],
                  draft_revision: Optional[str]) -> Tuple[Path, str]:
     """Resolve names and fetch files exactly as `dflash_mlx.load` does (offline names, registry, hub)."""
-    from ..loading import drafter_location, is_short_name, resolve_name
+    from ..models.loading import drafter_location, is_short_name, resolve_name
 
     if is_short_name(target):
         target, drafter = resolve_name(target, quant, drafter)
@@ -137,8 +137,8 @@ def load(
     """
     from mlx_lm.utils import load_tokenizer
 
-    from ..drafter_io import load_drafter
-    from ..loading import prepare
+    from ..drafters.io import load_drafter
+    from ..models.loading import prepare
 
     group = setup()
     with rank0_first(group):  # downloads and drafter conversions write one shared cache

@@ -25,7 +25,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..errors import DFlashError
-from ..sampling import SamplingParams
+from ..decode.sampling import SamplingParams
 from . import anthropic_format, errors, prompts, responses_format
 from .errors import APIError, ContextTooLong
 from .generation import GenerationRequest, Generator, Outcome

@@ -18,12 +18,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import mlx.core as mx
 
-from ..batching import Batch, BatchedGeneration
-from ..engine import DecodeState, prefill
-from ..generation import Generation
-from ..lookup import LOOKUP_ONLY
-from ..loading import prepare
-from ..stats import AcceptanceStats
+from ..decode.batching import Batch, BatchedGeneration
+from ..decode.engine import DecodeState, prefill
+from ..decode.generation import Generation
+from ..decode.lookup import LOOKUP_ONLY
+from ..models.loading import prepare
+from ..decode.stats import AcceptanceStats
 from ..targets.caches import can_trim
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .prefix_store import PrefixStore

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import DFlashConfig
+from ..drafters.config import DFlashConfig
 from ..errors import DFlashError
 from .model import DraftModel
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DFlashConfig
+from ..drafters.config import DFlashConfig
 from ..errors import DFlashError
 
 

@@ -271,7 +271,7 @@ def _inside(path: Path, root: Path) -> bool:
 # -- the target ----------------------------------------------------------------------------------------------------
 def load_target(ref: str):
     """(model, tokenizer, path) for a local mlx-lm dir, an offline or registry name, or a hub repo id."""
-    from ..loading import load_target as load, resolve_target
+    from ..models.loading import load_target as load, resolve_target
 
     ref = resolve_target(ref)
     model, tokenizer = load(ref)
@@ -441,8 +441,8 @@ def _setup(args: TrainArgs, resume: bool, log, overrides: Optional[Dict] = None)
     import mlx.core as mx
 
     from ..api import prepare
-    from ..config import DFlashConfig
-    from ..drafter_io import build_drafter
+    from ..drafters.config import DFlashConfig
+    from ..drafters.io import build_drafter
     from ..targets import build_target
     from .device import features_on_device, pick_device
     from .trainer import Trainer, latest_checkpoint
@@ -571,7 +571,7 @@ def _train(state, log, group) -> Path:
     from mlx.utils import tree_flatten
     from tqdm import tqdm
 
-    from ..drafter_io import build_drafter, save_drafter
+    from ..drafters.io import build_drafter, save_drafter
     from .card import projection_text, write_card
     from .parallel import DataParallel
     from .trainer import held_out_tau

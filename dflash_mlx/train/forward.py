@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..drafter import DFlashDrafter, DraftAttention
+from ..drafters.dflash import DFlashDrafter, DraftAttention
 from . import fastmath
 from .masks import band_limits, context_mask, slot_mask
 

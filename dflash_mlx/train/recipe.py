@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..config import DFlashConfig, default_target_layer_ids
+from ..drafters.config import DFlashConfig, default_target_layer_ids
 from ..errors import DFlashError
 
 

@@ -30,7 +30,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..drafter import DFlashDrafter
+from ..drafters.dflash import DFlashDrafter
 from ..errors import DFlashError
 from .device import keep_freed_memory
 from .features import FeatureCache
@@ -377,7 +377,7 @@ def held_out_tau(target, drafter, prompts: Sequence[Sequence[int]], *, max_token
 
     `target` is a `TargetModel` tapped for `drafter` (see `api.prepare`); this is the engine's own loop.
     """
-    from ..engine import dflash_generate_step
+    from ..decode.engine import dflash_generate_step
 
     total, passes, tokens = 0, 0, 0
     tic = time.perf_counter()

@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
 from .engine import DecodeState, dflash_generate_step
-from .errors import DFlashError
+from ..errors import DFlashError
 from .lookup import LookupIndex
 from .sources import SourceChoice
 from .stats import AcceptanceStats, CollapseWatch

@@ -14,7 +14,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Dict, Iterable, List, Optional
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Resolved:
 
 @lru_cache(maxsize=1)
 def entries() -> Dict[str, RegistryEntry]:
-    raw = json.loads(resources.files("dflash_mlx").joinpath("registry.json").read_text())
+    raw = json.loads(resources.files("dflash_mlx.models").joinpath("registry.json").read_text())
     return {name: RegistryEntry(name=name, **spec) for name, spec in raw["models"].items()}
 
 

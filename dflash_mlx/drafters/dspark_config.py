@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from .config import DFlashConfig
-from .errors import DFlashError
+from ..errors import DFlashError
 
 MODEL_TYPE = "dspark"  # the model_type our converter writes
 

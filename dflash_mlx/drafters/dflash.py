@@ -17,8 +17,8 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache
 
 from .config import DFlashConfig
-from .errors import DFlashError
-from .metal.block_attention import block_attention
+from ..errors import DFlashError
+from ..metal.block_attention import block_attention
 
 
 def _qwen3_args(config: DFlashConfig) -> qwen3.ModelArgs:

@@ -37,10 +37,10 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .acceptance import Acceptor, GreedyAcceptor
-from .errors import DFlashError
+from ..errors import DFlashError
 from .lookup import LookupIndex
 from .sources import DFLASH, LOOKUP, PLAIN, SourceChoice
-from .targets import TargetModel
+from ..targets import TargetModel
 from .width import FixedWidth, Width, WidthPolicy
 
 CLEAR_CACHE_EVERY = 256  # cycles between releases of MLX's buffer cache, as mlx-lm's decode loop does

@@ -24,11 +24,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .drafter import DFlashDrafter, DraftAttention
-from .drafter_families import DrafterFamily
+from .dflash import DFlashDrafter, DraftAttention
+from .families import DrafterFamily
 from .dspark_config import DSparkConfig, is_dspark
 from .dspark_layers import Gemma4DraftLayer
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 class SinkDraftAttention(DraftAttention):

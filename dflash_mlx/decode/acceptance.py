@@ -28,7 +28,7 @@ from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .sampling import LogitsProcessor, SamplingParams, check_seed, log_distribution, process_rows
 
 

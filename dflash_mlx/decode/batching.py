@@ -37,7 +37,7 @@ from .engine import CLEAR_CACHE_EVERY, Cycle, DecodeState, cutting_policy, draft
 from .generation import Generation
 from .lookup import LookupIndex
 from .sources import DFLASH, LOOKUP, PLAIN, SourceChoice
-from .targets.ragged import ragged_forward
+from ..targets.ragged import ragged_forward
 from .width import Width, WidthPolicy, coordinate
 
 

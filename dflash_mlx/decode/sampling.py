@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 import mlx.core as mx
 
 from .config import DFlashConfig
-from .drafter import DFlashDrafter
-from .errors import DFlashError
+from .dflash import DFlashDrafter
+from ..errors import DFlashError
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ DFLASH = DrafterFamily("DFlash", _is_dflash, DFlashConfig, DFlashDrafter)
 
 # Modules defining `FAMILY`, asked before DFlash in this order (imported on first use: each builds on drafter.py).
 _FAMILY_MODULES: List[str] = [
-    "dflash_mlx.dflash2",
-    "dflash_mlx.dspark",
+    "dflash_mlx.drafters.dflash2",
+    "dflash_mlx.drafters.dspark",
 ]
 
 _families: Optional[List[DrafterFamily]] = None

@@ -28,9 +28,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .config import DFlashConfig
-from .drafter import DFlashDrafter, DraftLayer
-from .drafter_families import DrafterFamily
-from .errors import DFlashError
+from .dflash import DFlashDrafter, DraftLayer
+from .families import DrafterFamily
+from ..errors import DFlashError
 
 ARCHITECTURE = "DFlash2DraftModel"
 # The `dflash_config` keys DFlash 2 adds; any of them marks a config as DFlash 2.
