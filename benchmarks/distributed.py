@@ -36,7 +36,7 @@ import mlx.core as mx
 from dflash_mlx.api import prepare
 from dflash_mlx.distributed.comm import allsum_latency, collectives_per_pass
 from dflash_mlx.drafters.io import load_drafter
-from dflash_mlx.decode.engine import dflash_generate_step
+from dflash_mlx.decode.loop import dflash_generate_step
 
 MODES = ("single", "tensor", "tensor-bcast", "tensor-bcast-ids", "pipeline")
 PROMPTS = [

@@ -36,16 +36,17 @@ def main() -> None:
     from mlx.utils import tree_flatten
 
     from dflash_mlx.train import fastmath
-    from dflash_mlx.train.command import TrainArgs, _setup
+    from dflash_mlx.train.args import TrainArgs
     from dflash_mlx.train.forward import _block_attention, _context_kv, _mlp
     from dflash_mlx.train.loss import block_loss
     from dflash_mlx.train.masks import context_mask, slot_mask
+    from dflash_mlx.train.session import setup_run
 
     if a.builtin_math:
         fastmath._builtin = lambda: True
     args = TrainArgs(out=tempfile.mkdtemp(), progress=False, target=a.target, data=[a.data], cache=a.cache, **spec)
     args.batch_blocks = args.rows * args.anchors  # one micro-batch per step: the optimizer is timed on its own
-    _, _, _, drafter, trainer, _, _ = _setup(args, False, lambda *x: None)
+    _, _, _, drafter, trainer, _, _ = setup_run(args, False, lambda *x: None)
     c = drafter.config
     batch = trainer.batch(0, 0)
     mx.eval(batch)

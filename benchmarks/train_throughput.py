@@ -31,7 +31,8 @@ sys.path.insert(0, src)
 import dflash_mlx
 dflash_mlx.__path__.append(src)  # the repo's top-level metal/ and convert/ are dflash_mlx subpackages
 import mlx.core as mx
-from dflash_mlx.train.command import TrainArgs, _setup
+from dflash_mlx.train.args import TrainArgs
+from dflash_mlx.train.session import setup_run
 spec.pop("workers", None)
 group = None
 if "MLX_RANK" in os.environ:  # one rank of a data-parallel side (this tree only)
@@ -39,7 +40,7 @@ if "MLX_RANK" in os.environ:  # one rank of a data-parallel side (this tree only
     from dflash_mlx.train.parallel import DataParallel
     group = setup()
 args = TrainArgs(out=tempfile.mkdtemp(), progress=False, **spec)
-_, _, _, _, trainer, _, _ = _setup(args, False, lambda *a: None)
+_, _, _, _, trainer, _, _ = setup_run(args, False, lambda *a: None)
 if group is not None:
     trainer.join(DataParallel(group))
 rank0 = group is None or group.rank() == 0

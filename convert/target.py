@@ -17,7 +17,7 @@ from typing import Optional, Union
 from dflash_mlx.dtypes import dtype_name
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.io_safety import check_output_dir, output_dir
-from dflash_mlx.models.refs import is_repo_id
+from dflash_mlx.refs import is_repo_id
 
 
 

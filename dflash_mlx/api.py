@@ -10,6 +10,7 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Generator, List, Optional, Union
 
@@ -19,14 +20,14 @@ from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decode.acceptance import Acceptor
-from .drafters.dflash import DFlashDrafter
-from .decode.engine import DecodeState
-from .errors import DFlashError
 from .decode.generation import Generation
-from .models.loading import load, prepare
-from .decode.lookup import LOOKUP_ONLY
+from .decode.lookup import LOOKUP_ONLY, drafter_model
+from .decode.planner import Planner
+from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
-from .decode.width import Width
+from .drafters.dflash import DFlashDrafter
+from .errors import DFlashError
+from .models.loading import load, prepare
 
 __all__ = ["DFlashResponse", "generate", "load", "prepare", "print_stats", "stream_generate"]
 
@@ -37,7 +38,8 @@ class DFlashResponse(GenerationResponse):
 
     Args (beyond mlx-lm's):
         accepted (int): draft tokens accepted by the verify pass this token came from.
-        block_size (int): tokens that pass verified (its verify width; 1 = a plain decoding step).
+        width (int): tokens that pass verified (its verify width; 1 = a plain decoding step).
+        block_size (int): deprecated name of `width`.
         tau (float): acceptance length so far (mean tokens committed per verify pass).
         widths (dict): verify width -> passes so far (the widths the engine used).
         stats (AcceptanceStats): the running statistics object (histograms included).
@@ -45,6 +47,7 @@ class DFlashResponse(GenerationResponse):
     """
 
     accepted: int = 0
+    width: int = 1
     block_size: int = 1
     tau: float = 0.0
     widths: Optional[dict] = None
@@ -71,14 +74,15 @@ def stream_generate(
     drafter: Union[DFlashDrafter, str, None] = None,
     *,
     max_tokens: int = 256,
-    block_size: Optional[int] = None,
+    width: Optional[int] = None,
     prefill_step_size: int = 2048,
     state: Optional[DecodeState] = None,
     acceptor: Optional[Acceptor] = None,
-    width: Optional[Width] = None,
+    planner: Optional[Planner] = None,
     warn_collapse: bool = True,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     lookup: Optional[bool] = None,
+    block_size: Optional[int] = None,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
@@ -90,20 +94,22 @@ def stream_generate(
         drafter: the DFlash drafter; `None` decodes plainly through the same loop; "lookup" drafts only by copying
             from the context (any mlx-lm model, no drafter needed).
         max_tokens: the most tokens to generate (-1: until EOS).
-        block_size: fixes the tokens verified per pass (1 means plain decoding). By default the width is chosen
-            before every pass (`width.WidthPolicy`: expected committed tokens per second, from measured pass times
-            and the acceptance so far), up to the drafter's block size; when sampling with a `seed`, from a fixed
-            cost model instead of measured times, so that the seed reproduces the output.
+        width: fixes the tokens verified per pass (1 means plain decoding). By default the width is chosen
+            before every pass (`decode.planner.Planner`: expected committed tokens per second, from measured pass
+            times and the acceptance so far), up to the drafter's block size; when sampling with a `seed`, from a
+            fixed cost model instead of measured times, so that the seed reproduces the output.
         prefill_step_size: prompt tokens per prefill chunk.
-        state: caches to continue from (see `engine.DecodeState`); fresh ones if omitted.
-        acceptor: a ready acceptance rule (see `acceptance.make_acceptor`), instead of the sampling keywords.
-        width: a ready width policy (see `width.Width`) instead of the default one; ignored with `block_size`.
+        state: caches to continue from (see `decode.state.DecodeState`); fresh ones if omitted.
+        acceptor: a ready acceptance rule (see `decode.acceptance.make_acceptor`), instead of the sampling keywords.
+        planner: a ready planner (`decode.planner.Planner`, or a width policy such as `decode.width.WidthPolicy`)
+            instead of the default one; ignored with `width`.
         prefill_progress: called as `(tokens_done, total)` after each prefill chunk (e.g. a progress bar).
         lookup: draft from the context too: each pass copies what followed the longest earlier match of the newest
             tokens (prompt, earlier turns in `state`, committed tokens) when that is expected to be faster than the
-            drafter (see `sources.SourceChoice`). Default: on with a drafter and a chosen width; False turns it off.
+            drafter (see `decode.sources.SourceChoice`). Default: on with a drafter and a chosen width; False turns it off.
         warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
-        sampling: the keywords of `acceptance.make_acceptor`, as in mlx-lm:
+        block_size: deprecated name of `width` (an object there: of `planner`).
+        sampling: the keywords of `decode.acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
             exactly as sampling the target alone (rejection sampling);
             seed (makes sampled output reproducible);
@@ -116,20 +122,37 @@ def stream_generate(
         DFlashResponse: text segment, token, logprobs, from_draft, timing, memory, finish_reason and
         acceptance statistics. The last response has `finish_reason` "stop" (EOS) or "length".
     """
+    width, planner = _renamed(width, planner, block_size)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
     if isinstance(drafter, str):
-        if drafter != LOOKUP_ONLY:
+        drafter, lookup_only = drafter_model(drafter)
+        if not lookup_only:
             raise DFlashError(f"drafter={drafter!r}: give a loaded drafter (see load), None, or {LOOKUP_ONLY!r}")
-        drafter, lookup = None, lookup is not False
+        lookup = lookup is not False
     generation = Generation(prepare(model, drafter), drafter, ids, tokenizer=tokenizer, max_tokens=max_tokens,
-                            width=block_size, width_policy=width, acceptor=acceptor, state=state,
+                            width=width, planner=planner, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
                             prefill_progress=prefill_progress, lookup=lookup, **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)
+
+
+def _renamed(width, planner, block_size):
+    """(width, planner) from the arguments, the deprecated spellings included: `block_size=N` for `width=N`, and
+    a width policy object given as `width` for `planner`."""
+    if block_size is not None:
+        warnings.warn("stream_generate(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=3)
+        if width is not None and not isinstance(width, int):
+            planner = planner or width
+        width = block_size
+    elif width is not None and not isinstance(width, int):
+        warnings.warn("stream_generate(width=<policy>) is deprecated: use planner=", DeprecationWarning,
+                      stacklevel=3)
+        width, planner = None, planner or width
+    return width, planner
 
 
 def _responses(generation: Generation) -> Generator[DFlashResponse, None, None]:
@@ -150,6 +173,7 @@ def _responses(generation: Generation) -> Generator[DFlashResponse, None, None]:
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=p.finish_reason if i == len(p.tokens) - 1 else None,
                 accepted=p.accepted,
+                width=p.width,
                 block_size=p.width,
                 tau=stats.tau,
                 widths=dict(stats.widths),
@@ -171,7 +195,7 @@ def generate(
     Args:
         model, tokenizer, prompt, drafter: as in `stream_generate`.
         verbose: print tokens as they come, then tok/s, τ and the acceptance histogram.
-        kwargs: passed to `stream_generate` (max_tokens, block_size, temp, top_p, top_k, min_p, seed, ...).
+        kwargs: passed to `stream_generate` (max_tokens, width, temp, top_p, top_k, min_p, seed, ...).
     """
     text = ""
     response = None

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
 from . import console
-from .decode.engine import DecodeState
+from .decode.lookup import drafter_model
+from .decode.state import DecodeState
 from .errors import DFlashError
 from .io_safety import write_text_atomic
 from .decode.stats import AcceptanceStats
@@ -135,7 +136,7 @@ class ChatSession:
     def _fresh_state(self) -> DecodeState:
         from .api import prepare
 
-        drafter = None if isinstance(self.drafter, str) else self.drafter  # "lookup": no drafter cache
+        drafter = drafter_model(self.drafter)[0]  # "lookup": no drafter cache
         return DecodeState.fresh(prepare(self.model, drafter), drafter)
 
     def send(self, text: str, should_stop: Callable[[], bool] = lambda: False, *,
@@ -175,7 +176,7 @@ class ChatSession:
             self.last_prefill_tokens = len(new) + (1 if self.seen else 0)
             self.seen.extend(new)
             stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
-                                     block_size=self.block_size, state=self.state, prefill_progress=progress,
+                                     width=self.block_size, state=self.state, prefill_progress=progress,
                                      lookup=self.lookup, **self.sampling)
             try:
                 for response in stream:

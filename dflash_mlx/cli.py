@@ -94,6 +94,16 @@ def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bo
 PIPELINE_HELP = ("Under mlx.launch: split the target's layers into stages across the ranks instead of splitting "
                  "every layer by heads (models with mlx-lm pipeline support, e.g. Qwen3.5).")
 
+# Options several commands share, declared once.
+MODEL_OPTION = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False)
+DRAFT_OPTION = typer.Option(None, "--draft", "-d", help=DRAFT_HELP)
+QUANT_OPTION = typer.Option(None, "--quant", help=QUANT_HELP)
+TOP_P_OPTION = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off).")
+TOP_K_OPTION = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off).")
+MIN_P_OPTION = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off).")
+NO_LOOKUP_OPTION = typer.Option(False, "--no-lookup", help="Never draft by copying from the context (by default "
+                                "each pass may, when that is faster than the drafter).")
+
 
 def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool, seed: Optional[int]):
     """api.load, or under `mlx.launch` the target split over the ranks (docs/distributed.md); rank 0 prints.
@@ -111,9 +121,9 @@ def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool
 
 @app.command()
 def generate(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+    model: str = MODEL_OPTION,
+    draft: Optional[str] = DRAFT_OPTION,
+    quant: Optional[str] = QUANT_OPTION,
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (-1: until EOS)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
@@ -124,12 +134,11 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print tok/s, acceptance length τ and its histogram."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy). Output stays exactly the "
                                "target's distribution."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off)."),
+    top_p: float = TOP_P_OPTION,
+    top_k: int = TOP_K_OPTION,
+    min_p: float = MIN_P_OPTION,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
-    no_lookup: bool = typer.Option(False, "--no-lookup", help="Never draft by copying from the context (by "
-                                   "default each pass may, when that is faster than the drafter)."),
+    no_lookup: bool = NO_LOOKUP_OPTION,
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
@@ -148,7 +157,7 @@ def generate(
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     console.warn_before_run(target, drafter, len(ids), block_size)
-    options = dict(max_tokens=max_tokens, block_size=block_size, seed=seed, **sampling)
+    options = dict(max_tokens=max_tokens, width=block_size, seed=seed, **sampling)
     if no_lookup:
         options["lookup"] = False
     if verbose:
@@ -164,23 +173,22 @@ def generate(
 
 @app.command()
 def chat(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+    model: str = MODEL_OPTION,
+    draft: Optional[str] = DRAFT_OPTION,
+    quant: Optional[str] = QUANT_OPTION,
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply (-1: until EOS)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
                                              help="Fix the tokens verified per pass (default: chosen every pass)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy); /temp changes it."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off)."),
+    top_p: float = TOP_P_OPTION,
+    top_k: int = TOP_K_OPTION,
+    min_p: float = MIN_P_OPTION,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampled replies."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking",
                                             help="Thinking mode for models whose template has one; /think toggles."),
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
-    no_lookup: bool = typer.Option(False, "--no-lookup", help="Never draft by copying from the context (by "
-                                   "default each pass may, when that is faster than the drafter)."),
+    no_lookup: bool = NO_LOOKUP_OPTION,
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
@@ -213,9 +221,9 @@ def chat(
 
 @app.command()
 def serve(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-    quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+    model: str = MODEL_OPTION,
+    draft: Optional[str] = DRAFT_OPTION,
+    quant: Optional[str] = QUANT_OPTION,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or x-api-key)."),
@@ -274,9 +282,9 @@ def _agent_command(name: str):
 
     def command(
         ctx: typer.Context,
-        model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False),
-        draft: Optional[str] = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-        quant: Optional[str] = typer.Option(None, "--quant", help=QUANT_HELP),
+        model: str = MODEL_OPTION,
+        draft: Optional[str] = DRAFT_OPTION,
+        quant: Optional[str] = QUANT_OPTION,
         url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
         api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
     ):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import api
-from .models.refs import is_repo_id
+from .refs import is_repo_id
 from .validate import LONG_PROMPT_TOKENS, block_size_warning, check_model_dir, prompt_length_warning
 
 

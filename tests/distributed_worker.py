@@ -28,7 +28,8 @@ from tiny import SteeredDFlashDrafter, corrupt_every  # noqa: E402
 
 from dflash_mlx.decode.acceptance import make_acceptor  # noqa: E402
 from dflash_mlx.drafters.io import read_config, read_weights  # noqa: E402
-from dflash_mlx.decode.engine import DecodeState, dflash_generate_step  # noqa: E402
+from dflash_mlx.decode.state import DecodeState
+from dflash_mlx.decode.loop import dflash_generate_step  # noqa: E402
 from dflash_mlx.distributed import agree_on_width  # noqa: E402
 from dflash_mlx.models.loading import prepare  # noqa: E402
 from dflash_mlx.decode.width import WidthPolicy  # noqa: E402

@@ -181,7 +181,7 @@ def test_seeded_sampling_batch_equals_alone():
 def test_a_request_closed_with_an_unyielded_pass_keeps_exact_caches(kind):
     """A member whose next pass was run by a neighbour but never yielded (the server's hang-up between two rounds)
     is closed: its caches hold exactly the tokens it yielded, so a later turn on them (the prefix cache) is exact."""
-    from dflash_mlx.decode.engine import DecodeState
+    from dflash_mlx.decode.state import DecodeState
     from tiny import greedy
 
     model = _hybrid() if kind == "qwen3_5" else target(kind)

@@ -100,7 +100,7 @@ def test_chart_written_when_matplotlib_present(report):
 def test_profiler_hook_marks_phases_and_changes_nothing(pair):
     from dflash_mlx import load
     from dflash_mlx.api import prepare
-    from dflash_mlx.decode.engine import dflash_generate_step
+    from dflash_mlx.decode.loop import dflash_generate_step
 
     class Recorder:
         def __init__(self):

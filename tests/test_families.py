@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from cache_compare import ALL, CONFIGS, HYBRID, VOCAB, WINDOW, build, prompt, randomize, shared
 from dflash_mlx.drafters.config import DFlashConfig
 from dflash_mlx.drafters.dflash import DFlashDrafter, TargetBinding
-from dflash_mlx.decode.engine import dflash_generate_step
+from dflash_mlx.decode.loop import dflash_generate_step
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 

@@ -199,12 +199,12 @@ BAD_OPTIONS = [
 
 @pytest.mark.parametrize("extra,flag", BAD_OPTIONS, ids=[" ".join(e) for e, _ in BAD_OPTIONS])
 def test_bad_options_fail_in_one_line_before_any_work(world, capsys, tmp_path, monkeypatch, extra, flag):
-    import dflash_mlx.train.command as command
+    import dflash_mlx.train.session as session
     import dflash_mlx.train.data as data_module
 
     target_dir, data, _ = world
     if flag != "--target-layers":  # every other check needs no target: it must come before loading one
-        monkeypatch.setattr(command, "load_target", lambda *a: pytest.fail("the target was loaded"))
+        monkeypatch.setattr(session, "load_training_target", lambda *a: pytest.fail("the target was loaded"))
     monkeypatch.setattr(data_module, "prepare_data", lambda *a, **k: pytest.fail("the data was read"))
     out = tmp_path / "out"
     argv = _argv(target_dir, data, out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import tiny
-from dflash_mlx.decode.engine import DecodeState
+from dflash_mlx.decode.state import DecodeState
 from dflash_mlx.decode.generation import Generation
 from dflash_mlx.decode.lookup import LookupIndex
 from dflash_mlx.decode.sources import DFLASH, LOOKUP, PLAIN, SourceChoice, match_bucket

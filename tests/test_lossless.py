@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.decode.engine import DecodeState
+from dflash_mlx.decode.state import DecodeState
 from dflash_mlx.targets import TargetModel
 from tiny import (
     ALL_KINDS, CORE_KINDS, VOCAB, SteeredDFlashDrafter, SteeredOracle, corrupt_every, make_drafter, prompt_ids,

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.decode.engine import DecodeState
+from dflash_mlx.decode.state import DecodeState
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 from tiny import (

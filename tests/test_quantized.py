@@ -19,7 +19,7 @@ from dflash_mlx import api
 from dflash_mlx.cli import main
 from dflash_mlx.convert.target import convert_target
 from dflash_mlx.demo import make_tiny_pair
-from dflash_mlx.decode.engine import dflash_generate_step
+from dflash_mlx.decode.loop import dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel

@@ -19,7 +19,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from dflash_mlx import api
 from dflash_mlx.drafters.config import DFlashConfig
 from dflash_mlx.drafters.io import build_drafter
-from dflash_mlx.decode.engine import dflash_generate_step
+from dflash_mlx.decode.loop import dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.models.offline import ensure_offline_model
 from dflash_mlx.drafters.oracle import OracleDrafter

@@ -11,7 +11,8 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import gated_delta_update
 
 from cache_compare import ALL, HYBRID, VOCAB, WINDOW, WINDOWED, assert_caches_equal, prompt, shared
-from dflash_mlx.decode.engine import DecodeState, dflash_generate_step
+from dflash_mlx.decode.state import DecodeState
+from dflash_mlx.decode.loop import dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel

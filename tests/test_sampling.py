@@ -23,6 +23,7 @@ from scipy import stats
 import tiny
 from test_lookup import ScriptedChoice
 from test_width import Scheduled
+from dflash_mlx.decode.proposal import Proposal
 from dflash_mlx.decode.acceptance import GreedyAcceptor, MatchAcceptor, SamplingAcceptor, make_acceptor
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.decode.lookup import LookupIndex
@@ -140,13 +141,12 @@ def sample_first_three(world: World, acceptor, params: SamplingParams, n: int, s
     """One verify cycle per row, then plain target sampling completes each sequence to three tokens. `fixed`:
     drafts [n, 2] given in advance (copied from a context), proposed as point masses."""
     if fixed is not None:
-        draft_logits = None
-        draft = acceptor.propose_tokens(mx.array(fixed.astype(np.int32)))
+        proposal = acceptor.propose_tokens(mx.array(fixed.astype(np.int32)))
     else:
         draft_logits = mx.array(np.broadcast_to(world.q, (n, 2, V)).astype(np.float32))
-        draft = acceptor.propose(draft_logits)
-    d = np.array(draft)
-    acc, fix = acceptor.verify(draft, draft_logits, mx.array(world.target_rows(d).astype(np.float32)))
+        proposal = acceptor.propose(draft_logits)
+    d = np.array(proposal.tokens)
+    acc, fix = acceptor.verify(proposal, mx.array(world.target_rows(d).astype(np.float32)))
     acc, fix = np.array(acc), np.array(fix)
     seq = np.where(np.arange(3) < acc[:, None], np.pad(d, ((0, 0), (0, 1))), fix)
     rng = np.random.default_rng(seed)
@@ -224,8 +224,7 @@ class _UniformQ(SamplingAcceptor):
     """A wrong point-mass proposal: treating a copied draft as drawn from a uniform q."""
 
     def propose_tokens(self, draft):
-        self._proposed = (draft, mx.full(draft.shape + (V,), -np.log(V), dtype=mx.float32))
-        return draft
+        return Proposal(draft, mx.full(draft.shape + (V,), -np.log(V), dtype=mx.float32))
 
 
 def test_negative_control_detects_a_wrong_point_mass():

@@ -11,7 +11,7 @@ from mlx_lm.utils import _get_classes
 from cache_compare import CONFIGS, assert_caches_equal
 from dflash_mlx import load
 from dflash_mlx.demo import make_tiny_pair
-from dflash_mlx.decode.engine import DecodeState, prefill
+from dflash_mlx.decode.state import DecodeState, prefill
 from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 from dflash_mlx.server.prefix_cache import PrefixCache, Snapshot
 from dflash_mlx.server.prefix_store import PREFIX, SUFFIX, PrefixStore, fingerprint

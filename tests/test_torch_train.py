@@ -212,7 +212,7 @@ def test_the_pytorch_target_from_a_real_gguf_is_ours(tmp_path):
     from dflash_mlx.models.loading import load_target as mlx_load
     from dflash_mlx.models.offline import ensure_gguf, ensure_offline_model
     from dflash_mlx.targets import TargetModel
-    from dflash_mlx.torch_train.target import load_target
+    from dflash_mlx.torch_train.target import load_torch_target
 
     try:
         folder = ensure_offline_model("smollm2-135m", progress=False, quiet=True)
@@ -223,7 +223,7 @@ def test_the_pytorch_target_from_a_real_gguf_is_ours(tmp_path):
         pytest.skip(f"offline model smollm2-135m is not available here: {e}")
     gguf = tmp_path / "smollm2.gguf"
     shutil.copy(source, gguf)  # the PyTorch folder is made beside it
-    target = load_target(str(gguf), torch.device("cpu"), torch.float32)
+    target = load_torch_target(str(gguf), torch.device("cpu"), torch.float32)
     model, tokenizer = mlx_load(folder)
     ids = tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     assert target.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n") == ids

@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx.drafters.io import load_drafter, save_drafter
-from dflash_mlx.decode.engine import dflash_generate_step
+from dflash_mlx.decode.loop import dflash_generate_step
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.train import block_hidden, block_loss, block_mask, default_gamma, sample_anchors, slot_weights
 from dflash_mlx.train.masks import band_limits, sample_banded_anchors
@@ -371,7 +371,7 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_output(tmp_path):
 def test_drafter_starts_with_the_targets_output_gain(kind):
     # RMSNorm(ones) = its gain; the target's head is calibrated for that gain (Gemma stores it as 1 + w).
     from dflash_mlx.targets import TargetModel
-    from dflash_mlx.train.command import output_scale
+    from dflash_mlx.train.drafter import output_scale
 
     from cache_compare import build
 

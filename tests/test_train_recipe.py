@@ -190,7 +190,8 @@ def test_old_cache_without_argmax_refuses_target_labels(cache, tmp_path):
 
 # -- recipe ------------------------------------------------------------------------------------------------------------
 def test_recipe_defaults():
-    from dflash_mlx.train.command import TrainArgs, default_taps
+    from dflash_mlx.train.args import TrainArgs
+    from dflash_mlx.train.recipe import default_taps
 
     args = TrainArgs(target="t", out="o")
     assert (args.num_layers, args.block_size, args.lr, args.grad_clip) == (5, 16, 6e-4, 1.0)
@@ -274,7 +275,8 @@ def _eos(target_dir):
 def test_command_card_and_resume(tmp_path):
     from dflash_mlx.cli import main
     from dflash_mlx.demo import CORPUS, make_tiny_pair
-    from dflash_mlx.train.command import TrainArgs, _setup
+    from dflash_mlx.train.args import TrainArgs
+    from dflash_mlx.train.session import setup_run
 
     target_dir, _ = make_tiny_pair(tmp_path / "pair")
     data = tmp_path / "data"
@@ -301,8 +303,8 @@ def test_command_card_and_resume(tmp_path):
     saved = json.loads((out / "train_state" / "latest.json").read_text())
     params = mx.load(str(out / "train_state" / saved["dir"] / "params.safetensors"))
     # --resume rebuilds everything from the checkpoint: the weights are the saved ones, never a fresh init.
-    args, *_, trainer, _, _ = _setup(TrainArgs(target=str(target_dir), out=str(out), progress=False), True,
-                                     lambda *_: None)
+    args, *_, trainer, _, _ = setup_run(TrainArgs(target=str(target_dir), out=str(out), progress=False), True,
+                                        lambda *_: None)
     assert args.labels == "target" and trainer.step == 2
     # The reduced vocabulary is drawn from the labels trained on: the target's choices, not the text.
     from dflash_mlx.train.vocab import select_vocab

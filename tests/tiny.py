@@ -20,7 +20,8 @@ from mlx_lm.utils import _get_classes
 
 from dflash_mlx.drafters.config import DFlashConfig
 from dflash_mlx.drafters.dflash import DFlashDrafter, TargetBinding
-from dflash_mlx.decode.engine import Cycle, DecodeState, dflash_generate_step
+from dflash_mlx.decode.loop import Cycle, dflash_generate_step
+from dflash_mlx.decode.state import DecodeState
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 

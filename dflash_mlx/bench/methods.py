@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,22 +24,14 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from ..decode.engine import DecodeState, prefill
 from ..decode.generation import Generation
+from ..decode.state import DecodeState, prefill
+from ..decode.step import Pass
 from ..drafters.oracle import OracleDrafter
 from ..targets import TargetModel
 
 PHASES = ("draft", "verify", "rollback", "host")
 PREFILL_STEP = 2048
-
-class Chunk(NamedTuple):
-    """One target pass as the benchmark sees it."""
-
-    tokens: List[int]  # committed
-    accepted: int  # drafts accepted
-    width: int  # tokens verified; 0 for a pass that is no verify pass (DFlash's first token, from the prompt)
-    source: str = "plain"  # where the pass's drafts came from ("dflash", "lookup", "plain")
-
 
 class PhaseProfiler:
     """Wall time per phase of a DFlash run, through the engine's `profiler` hook.
@@ -84,7 +76,8 @@ def _prefill_mlx_lm(model: nn.Module, cache: List, ids: Sequence[int]) -> None:
 
 
 class Method:
-    """One decoding method; subclasses turn a prompt into a stream of verify-pass chunks."""
+    """One decoding method; subclasses turn a prompt into a stream of verify passes (`decode.step.Pass`, the
+    same result type for mlx-lm's loops as for ours)."""
 
     kind = ""
 
@@ -93,7 +86,7 @@ class Method:
         self.block = block  # tokens verified per target pass (1 for plain decoding)
 
     def start(self, ids: List[int], max_tokens: int, stops: Sequence[int], reference: Optional[List[int]],
-              profiler: Optional[PhaseProfiler], seed: Optional[int]) -> Iterator[Chunk]:
+              profiler: Optional[PhaseProfiler], seed: Optional[int]) -> Iterator[Pass]:
         raise NotImplementedError
 
     def run(self, ids: List[int], max_tokens: int, stops: Sequence[int] = (), reference: Optional[List[int]] = None,
@@ -112,12 +105,12 @@ class Method:
         chunks = self.start(ids, max_tokens, stops, reference, profiler, seed)
         tic = time.perf_counter()
         try:
-            for new, accepted, block, source in chunks:
-                tokens.extend(new)
+            for p in chunks:
+                tokens.extend(p.tokens)
                 passes += 1
-                if block > 0:
-                    cycles.append((accepted, block))
-                    sources.append(source)
+                if not p.is_prefill:  # DFlash's first token comes from the prompt, not from a verify pass
+                    cycles.append((p.accepted, p.width))
+                    sources.append(p.source)
                 hit = next((i for i, t in enumerate(tokens) if t in stop_set), None)
                 if hit is not None or len(tokens) >= max_tokens:
                     break
@@ -147,7 +140,7 @@ class PlainMethod(Method):
         _prefill_mlx_lm(self.model, cache, ids[:-1])
         steps = generate_step(mx.array(ids[-1:], dtype=mx.int32), self.model, max_tokens=max_tokens,
                               sampler=make_sampler(temp=self.temp), prompt_cache=cache)
-        return (Chunk([int(token)], 0, 1) for token, _ in steps)
+        return (Pass([int(token)], 0, 1) for token, _ in steps)
 
 
 class SpeculativeMethod(Method):
@@ -168,7 +161,7 @@ class SpeculativeMethod(Method):
             max_tokens=max_tokens, sampler=make_sampler(temp=self.temp), prompt_cache=target_cache + draft_cache)
         return self._passes(steps)
 
-    def _passes(self, steps) -> Iterator[Chunk]:
+    def _passes(self, steps) -> Iterator[Pass]:
         # mlx-lm yields token by token, but a pass's tokens all become known at its one sync; each pass ends with
         # the target's own token (from_draft False) unless max_tokens cuts it short.
         tokens: List[int] = []
@@ -176,10 +169,10 @@ class SpeculativeMethod(Method):
             for token, _, from_draft in steps:
                 tokens.append(int(token))
                 if not from_draft:
-                    yield Chunk(tokens, len(tokens) - 1, self.block)
+                    yield Pass(tokens, len(tokens) - 1, self.block)
                     tokens = []
             if tokens:
-                yield Chunk(tokens, len(tokens) - 1, self.block)
+                yield Pass(tokens, len(tokens) - 1, self.block)
         finally:
             steps.close()
 
@@ -225,11 +218,9 @@ class DFlashMethod(Method):
         return self._passes(generation)
 
     @staticmethod
-    def _passes(generation: Generation) -> Iterator[Chunk]:
+    def _passes(generation: Generation) -> Iterator[Pass]:
         with generation:
-            for p in generation:
-                # The prefill's token is not a verify pass of the decode loop.
-                yield Chunk(p.tokens, p.accepted, 0 if p.is_prefill else p.width, p.source)
+            yield from generation
 
 
 def verify_costs(model: nn.Module, ids: Sequence[int], feed: Sequence[int], ks: Sequence[int],

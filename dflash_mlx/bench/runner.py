@@ -154,7 +154,7 @@ def _build_methods(cfg: BenchConfig, model):
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; return the report (also written under `cfg.out` when given)."""
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
-    model, tokenizer = ranks.load_target(cfg) if cfg.distributed else load_target(resolve_target(cfg.model))
+    model, tokenizer = ranks.load_rank_target(cfg) if cfg.distributed else load_target(resolve_target(cfg.model))
     plain, oracles, others, blocks = _build_methods(cfg, model)
     units: List[List[Method]] = [[plain] + oracles] + [[m] for m in others]
     methods = [m for unit in units for m in unit]

@@ -1,6 +1,7 @@
 """Acceptance rules: how draft tokens are proposed from the drafter's logits and which of them the target keeps.
 
-An acceptor turns one verify pass into `(acc, fix)`: `acc` draft tokens are accepted and `fix[acc]` is the
+An acceptor draws a pass's drafts into a `Proposal` (the tokens and, for rejection sampling, the rows they were
+drawn from) and turns the verify of that proposal into `(acc, fix)`: `acc` draft tokens are accepted and `fix[acc]` is the
 target's own token after them (the bonus, or the correction at the first rejection); only `fix[acc]` is read, and
 the sampling acceptor draws just that one token (it fills every slot of `fix` with it). Everything stays on the
 device so a cycle needs a single host sync. Greedy is the fast special case; `SamplingAcceptor` is lossless
@@ -10,15 +11,14 @@ the rule for mlx-lm's sampling options.
 Protocol (all arrays lazy):
     observe(tokens)                      tokens the target has now seen: the prompt, then each cycle's commits
     first(logits [V]) -> token           the token after the prompt
-    propose(draft_logits [B-1, V]) -> draft [B-1]
-    propose_walk(walk, anchor) -> draft [B-1]   drafts whose row i depends on draft i-1 (see `DraftWalk`)
-    propose_tokens(draft [B-1]) -> draft [B-1]  drafts fixed in advance (copied from the context): a point-mass
+    propose(draft_logits [B-1, V]) -> Proposal
+    propose_walk(walk, anchor) -> Proposal      drafts whose row i depends on draft i-1 (see `DraftWalk`)
+    propose_tokens(draft [B-1]) -> Proposal     drafts fixed in advance (copied from the context): a point-mass
                                          proposal q = one-hot(draft[i]), accepted with probability p(draft[i])
-    truncate(draft, n) -> draft [n]      the first n drafts of the proposal just made (the rest are not verified)
-    verify(draft, draft_logits, target_logits [B, V]) -> (acc, fix [B])
+    verify(proposal, target_logits [B, V]) -> (acc, fix [B])
 Row i of the target's logits predicts the token after block[i], so draft[i] (block slot i+1) is judged by row i.
-After `propose_walk` or `propose_tokens`, `verify` gets `draft_logits=None`: the acceptor kept the rows each draft
-was drawn from (for fixed drafts, the one-hot rows).
+The proposal is a value (`proposal.Proposal`): cutting it (`Proposal.cut`) cuts its rows with it, and `verify`
+divides by the rows it carries, never by state kept from an earlier call.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from ..errors import DFlashError
+from .proposal import Proposal
 from .sampling import LogitsProcessor, SamplingParams, check_seed, log_distribution, process_rows
 
 
@@ -61,16 +62,13 @@ class Acceptor(Protocol):
 
     def first(self, logits: mx.array) -> mx.array: ...
 
-    def propose(self, draft_logits: mx.array) -> mx.array: ...
+    def propose(self, draft_logits: mx.array) -> Proposal: ...
 
-    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array: ...
+    def propose_walk(self, walk: DraftWalk, anchor) -> Proposal: ...
 
-    def propose_tokens(self, draft: mx.array) -> mx.array: ...
+    def propose_tokens(self, draft: mx.array) -> Proposal: ...
 
-    def truncate(self, draft: mx.array, n: int) -> mx.array: ...
-
-    def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
-               target_logits: mx.array) -> Tuple[mx.array, mx.array]: ...
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]: ...
 
 
 class GreedyAcceptor:
@@ -83,23 +81,21 @@ class GreedyAcceptor:
         """The token after the prompt, from the prefill's last logits [V]."""
         return mx.argmax(logits, axis=-1)
 
-    def propose(self, draft_logits: mx.array) -> mx.array:
+    def propose(self, draft_logits: mx.array) -> Proposal:
         """Draft tokens [B-1] from draft logits [B-1, V]."""
-        return mx.argmax(draft_logits, axis=-1).astype(mx.int32)
+        return Proposal(mx.argmax(draft_logits, axis=-1).astype(mx.int32))
 
-    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array:
+    def propose_walk(self, walk: DraftWalk, anchor) -> Proposal:
         """Draft tokens [n]: each slot's argmax given the previous slot's."""
-        return _walk(walk, anchor, lambda i, row, draft: mx.argmax(row, axis=-1))
+        return Proposal(_walk(walk, anchor, lambda i, row, draft: mx.argmax(row, axis=-1)))
 
-    def propose_tokens(self, draft: mx.array) -> mx.array:
+    def propose_tokens(self, draft: mx.array) -> Proposal:
         """Fixed drafts [n] (copied from the context): kept while they equal the target's argmax."""
-        return draft
+        return Proposal(draft, point_mass=True)
 
-    def truncate(self, draft: mx.array, n: int) -> mx.array:
-        return draft[:n]
-
-    def verify(self, draft: mx.array, draft_logits: mx.array, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
-        """draft [B-1], draft_logits [B-1, V], target_logits [B, V] -> (acc scalar, fix [B])."""
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """A proposal of B-1 drafts, target_logits [B, V] -> (acc scalar, fix [B])."""
+        draft = proposal.tokens
         choice = mx.argmax(target_logits, axis=-1).astype(mx.int32)
         if draft.size == 0:
             return mx.array(0, dtype=mx.int32), choice
@@ -151,7 +147,6 @@ class SamplingAcceptor(_History):
         if seed is None:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         self._key = mx.random.key(int(seed))
-        self._proposed: Optional[Tuple[mx.array, mx.array]] = None  # (draft, its log q), reused by verify
 
     def _keys(self, n: int) -> mx.array:
         keys = mx.random.split(self._key, n + 1)
@@ -167,7 +162,7 @@ class SamplingAcceptor(_History):
         logdist = log_distribution(self._process(logits.reshape(1, -1)), self.params)[0]
         return self._draw(logdist, self._keys(1)[0])
 
-    def propose(self, draft_logits: mx.array) -> mx.array:
+    def propose(self, draft_logits: mx.array) -> Proposal:
         keys = self._keys(max(draft_logits.shape[-2], 1))
         if not self.processors:
             logq = log_distribution(draft_logits, self.params)
@@ -181,10 +176,9 @@ class SamplingAcceptor(_History):
                 rows.append(row)
                 draft = mx.concatenate([draft, self._draw(row, keys[i])])
             logq = mx.concatenate(rows, axis=0) if rows else draft_logits.astype(mx.float32)
-        self._proposed = (draft, logq)
-        return draft
+        return Proposal(draft, logq)
 
-    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array:
+    def propose_walk(self, walk: DraftWalk, anchor) -> Proposal:
         """Draft tokens [n], each drawn from its row given the drafts before it; verify divides by those rows."""
         keys = self._keys(max(walk.length, 1))
         rows = []
@@ -195,44 +189,28 @@ class SamplingAcceptor(_History):
             return self._draw(logq, keys[i])
 
         draft = _walk(walk, anchor, choose)
-        self._proposed = (draft, mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 0)))
-        return draft
+        return Proposal(draft, mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 0)))
 
-    def propose_tokens(self, draft: mx.array) -> mx.array:
+    def propose_tokens(self, draft: mx.array) -> Proposal:
         """Fixed drafts [n]: q is a point mass on each, so verify accepts draft i with probability p(draft i) and
         at a rejection draws from p with draft i removed (normalize(max(p - one-hot, 0))): exact sampling."""
-        self._proposed = (draft, None)  # verify builds the one-hot log q once it knows the vocabulary size
-        return draft
+        return Proposal(draft, point_mass=True)  # verify builds the one-hot log q once it knows the vocabulary
 
-    def truncate(self, draft: mx.array, n: int) -> mx.array:
-        """The first n drafts of the proposal just made, with their rows: verify divides by those alone. Cutting
-        the block short is exact when whether slot i is verified depends only on drafts before it."""
-        kept = draft[:n]
-        if self._proposed is not None and self._proposed[0] is draft:
-            rows = self._proposed[1]
-            self._proposed = (kept, rows[:n] if rows is not None else None)
-        return kept
+    @staticmethod
+    def _logq(proposal: Proposal, vocab_size: int) -> mx.array:
+        if proposal.point_mass and proposal.logq is None:
+            vocab = mx.arange(vocab_size, dtype=mx.int32)
+            return mx.where(vocab == proposal.tokens[..., None], 0.0, -mx.inf).astype(mx.float32)
+        return proposal.logq
 
-    def _logq(self, draft: mx.array, draft_logits: mx.array, vocab_size: int) -> mx.array:
-        if self._proposed is not None and self._proposed[0] is draft:
-            if self._proposed[1] is None:  # a point mass on each draft token (`propose_tokens`)
-                vocab = mx.arange(vocab_size, dtype=mx.int32)
-                return mx.where(vocab == draft[..., None], 0.0, -mx.inf).astype(mx.float32)
-            return self._proposed[1]
-        if not self.processors:
-            return log_distribution(draft_logits, self.params)
-        return log_distribution(self._process(draft_logits, draft), self.params)
-
-    def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
-               target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+        draft = proposal.tokens
         logp = log_distribution(self._process(target_logits, draft) if self.processors else target_logits,
                                 self.params)  # [..., B, V]
         key_accept, key_fix = self._keys(2)
         if draft.shape[-1] == 0:
-            self._proposed = None
             return mx.zeros(draft.shape[:-1], dtype=mx.int32), self._draw(logp, key_fix)
-        logq = self._logq(draft, draft_logits, logp.shape[-1])  # [..., B-1, V]
-        self._proposed = None
+        logq = self._logq(proposal, logp.shape[-1])  # [..., B-1, V]
         if self.params.greedy:
             choice = self._draw(logp, key_fix)
             acc = mx.cumprod((draft == choice[..., :-1]).astype(mx.int32), axis=-1).sum(axis=-1)
@@ -280,29 +258,26 @@ class MatchAcceptor(_History):
     def first(self, logits: mx.array) -> mx.array:
         return self._sample(self._process(logits.reshape(1, -1)))[0]
 
-    def propose(self, draft_logits: mx.array) -> mx.array:
+    def propose(self, draft_logits: mx.array) -> Proposal:
         if not self.processors:
-            return mx.argmax(draft_logits, axis=-1).astype(mx.int32)
+            return Proposal(mx.argmax(draft_logits, axis=-1).astype(mx.int32))
         draft = mx.zeros((0,), dtype=mx.int32)
         for i in range(draft_logits.shape[0]):
             row = self._process_after(draft_logits[i : i + 1], draft)
             draft = mx.concatenate([draft, mx.argmax(row, axis=-1).astype(mx.int32)])
-        return draft
+        return Proposal(draft)
 
-    def propose_walk(self, walk: DraftWalk, anchor) -> mx.array:
+    def propose_walk(self, walk: DraftWalk, anchor) -> Proposal:
         """Draft tokens [n]: each slot's (processed) argmax given the drafts before it."""
-        return _walk(walk, anchor, lambda i, row, draft: mx.argmax(
-            self._process_after(row, draft) if self.processors else row, axis=-1))
+        return Proposal(_walk(walk, anchor, lambda i, row, draft: mx.argmax(
+            self._process_after(row, draft) if self.processors else row, axis=-1)))
 
-    def propose_tokens(self, draft: mx.array) -> mx.array:
+    def propose_tokens(self, draft: mx.array) -> Proposal:
         """Fixed drafts [n]: kept while the target's own samples equal them."""
-        return draft
+        return Proposal(draft, point_mass=True)
 
-    def truncate(self, draft: mx.array, n: int) -> mx.array:
-        return draft[:n]
-
-    def verify(self, draft: mx.array, draft_logits: Optional[mx.array],
-               target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+        draft = proposal.tokens
         choice = self._sample(self._process(target_logits, draft) if self.processors else target_logits)
         if draft.shape[-1] == 0:
             return mx.zeros(draft.shape[:-1], dtype=mx.int32), choice

@@ -1,5 +1,5 @@
-"""One generation, as every front end drives it: the acceptance rule, the width policy, the statistics, the
-collapse watch and the detokenizer are built here, once, and the engine's verify passes come out as `Pass`es.
+"""One generation, as every front end drives it: the acceptance rule, the planner, the statistics, the collapse
+watch and the detokenizer are built here, once, and the loop's verify passes come out as `Pass`es.
 
     gen = Generation(target, drafter, prompt_ids, tokenizer=tokenizer, max_tokens=64, temp=0.7, seed=1)
     for p in gen:
@@ -9,14 +9,10 @@ collapse watch and the detokenizer are built here, once, and the engine's verify
 `api.stream_generate` turns passes into per-token responses, the server into deltas with stop strings and the
 prefix cache, the bench into timed chunks. The rules that used to live in each of them live here:
 - sampling keywords make the acceptor (`acceptance.make_acceptor`); a ready acceptor may be given instead;
-- the verify width: fixed with `width`, else chosen every pass by `width.WidthPolicy` up to the drafter's block;
-  when sampled output must be reproducible (a seed and a non-greedy acceptor) from a fixed cost model instead of
-  the clock; then wrapped by the installed coordinator (several ranks must choose alike, see
-  `width.install_coordinator`: the distributed layer installs one, the core never imports it);
-- the draft source: with `lookup` on (the default with a drafter and a chosen width; `lookup=True` without a
-  drafter is lookup alone), each pass drafts from the drafter, from the context (`lookup.LookupIndex`, kept in
-  `state.extra["lookup"]` so a chat's later turns and a server's cached prefix (`history`) are searched too) or
-  not at all, as `sources.SourceChoice` finds fastest;
+- the planner (`planner.build_planner`): a fixed `width`, else widths and proposers chosen every pass; with
+  `lookup` on (the default with a drafter and a chosen width; `lookup=True` without a drafter is lookup alone)
+  each pass drafts from the drafter, from the context (`lookup.LookupIndex`, kept in `state.extra["lookup"]` so a
+  chat's later turns and a server's cached prefix (`history`) are searched too) or not at all;
 - statistics (`stats.AcceptanceStats`) and the acceptance-collapse watch: one warning per generation, logged when
   the generation ends (after its last text), so that it never splits the text a terminal is showing;
 - detokenization: each committed token's text segment, as mlx-lm's streaming detokenizer gives it.
@@ -26,52 +22,37 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
-from .engine import DecodeState, dflash_generate_step
 from ..errors import DFlashError
+from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
 from .lookup import LookupIndex
+from .loop import dflash_generate_step
+from .planner import Planner, build_planner
 from .sources import SourceChoice
+from .state import DecodeState
 from .stats import AcceptanceStats, CollapseWatch
-from .width import Width, WidthPolicy, coordinate, nominal_cost
+from .step import Pass
 
 logger = logging.getLogger("dflash_mlx")
-
-
-@dataclass
-class Pass:
-    """What one verify pass committed (the first pass of a generation is the prefill's token)."""
-
-    tokens: List[int]  # committed tokens, a stop token included, cut at the token limit
-    accepted: int  # draft tokens the pass accepted
-    width: int  # tokens the pass verified (1: a plain decoding step; 1 for the prefill's token)
-    logits: mx.array  # [len(tokens), V] the target logits that chose each token (lazy)
-    is_prefill: bool = False
-    source: str = "plain"  # where its drafts came from: "dflash", "lookup" or "plain" (no drafts)
-    segments: List[str] = field(default_factory=list)  # text each token added (detokenized; "" for a stop token)
-    finish_reason: Optional[str] = None  # "stop" (a stop token), "length" (the token limit) or None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.segments)
 
 
 class Generation:
     """A DFlash generation of `prompt` (token ids) by `target` with `drafter` (None: plain decoding, same loop).
 
     Args:
-        target: the wrapped target (`loading.prepare`); drafter: a bound drafter or None.
+        target: the wrapped target (`models.loading.prepare`); drafter: a bound drafter or None.
         prompt: token ids (1-D `mx.array` or list); with `state`, they continue it.
         tokenizer: an mlx-lm `TokenizerWrapper`: its EOS ids stop the generation and its detokenizer fills each
             pass's `segments`; None for token-only use (the bench), stopping at `stop_tokens` alone.
         max_tokens: the most tokens to commit (-1: no limit).
-        width: fixes the tokens verified per pass (1: plain decoding); None lets `width_policy` (by default a
-            `WidthPolicy` up to `max_width`, the drafter's block size unless given) choose before every pass.
+        width: fixes the tokens verified per pass (1: plain decoding); None lets a planner choose before every
+            pass (`planner`, by default an adaptive one up to `max_width`, the drafter's block unless given).
+        planner: a ready `planner.Planner`, or a width policy object (`width.WidthPolicy` shape) to plan with.
         acceptor: a ready acceptance rule, instead of the `sampling` keywords of `acceptance.make_acceptor`.
         state: caches to continue from; history: tokens already in those caches (logits processors see them).
         stop_tokens: extra stop ids (the tokenizer's EOS ids always stop).
@@ -79,43 +60,46 @@ class Generation:
         warn_collapse: log one warning (logger "dflash_mlx") when drafts were almost never accepted, once the
             generation has ended; `collapse_warning` holds it from the pass where it was noticed.
         lookup: draft from the context too (None: on when there is a drafter; True without a drafter: lookup
-            alone). Only with a chosen width (no `width`, no `width_policy`). lookup_width: widest lookup pass.
-        prefill_step_size, prefill_progress, mask_token_id, profiler: as `engine.dflash_generate_step` takes them.
+            alone). Only with a chosen width (no `width`, no `planner`). lookup_width: widest lookup pass.
+        prefill_step_size, prefill_progress, mask_token_id, profiler: as `loop.dflash_generate_step` takes them.
+        width_policy: deprecated name of `planner`.
     """
 
     def __init__(self, target, drafter, prompt, *, tokenizer=None, max_tokens: int = 256,
-                 width: Optional[int] = None, width_policy: Optional[Width] = None, max_width: Optional[int] = None,
+                 width: Optional[int] = None, planner=None, max_width: Optional[int] = None,
                  acceptor: Optional[Acceptor] = None, state: Optional[DecodeState] = None,
                  history: Optional[Sequence[int]] = None, stop_tokens: Sequence[int] = (),
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
-                 lookup_width: int = 32, **sampling):
+                 lookup_width: int = 32, width_policy=None, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
+        if width_policy is not None:
+            warnings.warn("width_policy= is deprecated: pass planner=", DeprecationWarning, stacklevel=2)
+            planner = planner or width_policy
         if acceptor is None:
             acceptor = _acceptor(sampling)
         elif sampling:
             raise DFlashError(f"give either acceptor= or sampling options ({', '.join(sampling)}), not both")
         self.acceptor = acceptor
+        self.target, self.drafter = target, drafter
         self.prompt = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), dtype=mx.int32)
         if self.prompt.size == 0:
             raise DFlashError("the prompt is empty")
         self.max_tokens = max_tokens
         use_lookup = (drafter is not None if lookup is None else bool(lookup)) and width is None \
-            and width_policy is None
+            and planner is None
         self.adaptive = (drafter is not None or use_lookup) and width is None
-        self.sources: Optional[SourceChoice] = None
-        if self.adaptive and width_policy is None:
-            # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
-            reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
-            cost = nominal_cost if reproducible else None
-            policy = WidthPolicy(max_width or drafter.block_size, cost=cost) if drafter is not None else None
-            if use_lookup:
-                self.sources = SourceChoice(policy, lookup_width, cost=cost)
-                policy = self.sources
-            width_policy = coordinate(policy)
-        self.width_policy = width_policy if self.adaptive else None
+        # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
+        reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
+        if planner is not None and not isinstance(planner, Planner):
+            planner = build_planner(drafter_block=drafter.block_size if drafter is not None else None,
+                                    policy=planner)
+        self.planner: Planner = planner or build_planner(
+            drafter_block=drafter.block_size if drafter is not None else None, width=width, max_width=max_width,
+            lookup=use_lookup, lookup_width=lookup_width, reproducible=reproducible, shared=self._shared_planner)
+        self.sources: Optional[SourceChoice] = self.planner.choice
         self.lookup = _lookup_index(state, history) if use_lookup else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)
         # A drafter we picked for this target by name is known to fit it; any other may be made for another one.
@@ -138,11 +122,18 @@ class Generation:
                 self._detokenizer.reset()
         if history is not None and len(history):
             acceptor.observe(mx.array(list(history), dtype=mx.int32))
-        self._cycles = dflash_generate_step(
-            self.prompt, target, drafter, max_tokens=max_tokens, block_size=width if drafter is not None else None,
-            mask_token_id=mask_token_id, stop_tokens=self.stops, prefill_step_size=prefill_step_size, state=state,
-            acceptor=acceptor, width=self.width_policy, prefill_progress=prefill_progress, profiler=profiler,
-            lookup=self.lookup, sources=self.sources)
+        self._cycles = self._passes(state=state, mask_token_id=mask_token_id, prefill_step_size=prefill_step_size,
+                                    prefill_progress=prefill_progress, profiler=profiler)
+
+    def _shared_planner(self, widest: int) -> Optional[Planner]:
+        """A planner shared with other generations (a batch's), or None: this one plans alone."""
+        return None
+
+    def _passes(self, **options) -> Iterator[Pass]:
+        """The decoding loop this generation's passes come from (a batch's, in `batching.BatchedGeneration`)."""
+        return dflash_generate_step(self.prompt, self.target, self.drafter, max_tokens=self.max_tokens,
+                                    stop_tokens=self.stops, acceptor=self.acceptor, planner=self.planner,
+                                    lookup=self.lookup, **options)
 
     # -- the passes ------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Pass]:
@@ -160,8 +151,8 @@ class Generation:
             elif self.max_tokens > 0 and self.tokens_generated >= self.max_tokens:
                 finish = "length"
             self.finish_reason = finish
-            yield Pass(cycle.tokens, cycle.accepted, cycle.width, cycle.logits, cycle.is_prefill, cycle.source,
-                       self._segments(cycle.tokens, finish), finish)
+            cycle.segments, cycle.finish_reason = self._segments(cycle.tokens, finish), finish
+            yield cycle
             if finish:
                 break
         self._warn()

@@ -18,7 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
-LOOKUP_ONLY = "lookup"  # the drafter name (`--draft lookup`, `drafter="lookup"`) for lookup drafting alone
+class DraftMethod(str):
+    """A drafting method that needs no drafter model, by its command-line name: what `load(..., drafter="lookup")`
+    returns where a drafter model would be, for `stream_generate`, the chat and the server to pass along. It
+    compares equal to its name, so `drafter == "lookup"` keeps reading naturally."""
+
+
+LOOKUP_ONLY = DraftMethod("lookup")  # `--draft lookup`, `drafter="lookup"`: prompt lookup alone
+
+
+def drafter_model(drafter) -> Tuple[Optional[object], bool]:
+    """(the drafter model or None, whether prompt lookup alone was asked for) from a drafter argument: a drafter,
+    None, or the name of a method without a model ("lookup")."""
+    if isinstance(drafter, str):
+        return None, drafter == LOOKUP_ONLY
+    return drafter, False
 
 
 @dataclass

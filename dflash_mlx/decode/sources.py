@@ -28,13 +28,12 @@ the chosen source after (`source`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from .lookup import LookupDraft
-from .width import WidthPolicy
+from .proposal import DFLASH, LOOKUP, PLAIN, Offer
+from .width import WidthPolicy, expected_tokens
 
-DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"
 SOURCES = (DFLASH, LOOKUP, PLAIN)
 
 # Match lengths are pooled into these buckets (a bucket is the largest bound <= the match length).
@@ -43,26 +42,6 @@ MATCH_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 def match_bucket(match: int) -> int:
     return max([b for b in MATCH_BUCKETS if b <= match] or [MATCH_BUCKETS[0]])
-
-
-@dataclass
-class Offer:
-    """A draft source's proposal for the next pass, before its width is chosen."""
-
-    source: str
-    max_width: int  # the widest pass it can fill (drafts + 1)
-    tokens: Optional[List[int]] = None  # lookup: the copied continuation
-    match: int = 0  # lookup: match length
-    rates: Optional[List[float]] = None  # per-slot acceptance estimates the source supplies (e.g. a confidence head)
-
-
-def expected_tokens(rates: List[float]) -> List[float]:
-    """E(w) for w = 1..len(rates)+1 (index w-1) from per-slot acceptance."""
-    expected, run = [1.0], 1.0
-    for a in rates:
-        run *= a
-        expected.append(expected[-1] + run)
-    return expected
 
 
 class _SlotCounts:
@@ -112,6 +91,9 @@ class SourceChoice:
         self.source = PLAIN  # the source of the pass last chosen
         self._chosen: Optional[Offer] = None
 
+    def _dflash_measured(self) -> bool:
+        return self.dflash is not None and self.dflash.measured()
+
     # -- estimates -----------------------------------------------------------------------------------------------
     def lookup_rates(self, match: int, slots: int) -> List[float]:
         """Acceptance of lookup slots 1..slots for a match of this length."""
@@ -124,13 +106,12 @@ class SourceChoice:
         return counts.rates(pooled, self.prior_weight) if counts is not None else pooled
 
     def plain_cost(self) -> Optional[float]:
-        if self.dflash is not None and self.dflash.costs:
+        if self._dflash_measured():
             return self.dflash.cost(1)
         return self.costs.cost(1)
 
     def lookup_cost(self, width: int) -> Optional[float]:
-        measured = {w for w in self.costs.costs if w > 1}
-        if not measured:
+        if not any(w > 1 for w in self.costs.measured_widths()):
             return self.plain_cost()  # optimistic until measured, so lookup gets tried
         return self.costs.cost(width)
 
@@ -152,18 +133,23 @@ class SourceChoice:
     # -- the engine's calls --------------------------------------------------------------------------------------
     def offer(self, lookup: Optional[LookupDraft], dflash_rates: Optional[List[float]] = None) -> None:
         """The lookup continuation available for the next pass (None: no match), and optionally the drafter's own
-        per-slot acceptance estimates for it (a confidence head read on the host), used instead of the running
-        ones."""
-        self._offer = (Offer(LOOKUP, len(lookup.tokens) + 1, lookup.tokens, lookup.match)
-                       if lookup is not None and lookup.tokens else None)
-        self._dflash_rates = dflash_rates
+        per-slot acceptance estimates for it, used instead of the running ones (see `take`)."""
+        self.take(Offer(LOOKUP, len(lookup.tokens) + 1, lookup.tokens, lookup.match)
+                  if lookup is not None and lookup.tokens else None,
+                  Offer(DFLASH, 0, rates=dflash_rates) if dflash_rates is not None else None)
+
+    def take(self, lookup: Optional[Offer], dflash: Optional[Offer] = None) -> None:
+        """The proposers' offers for the next pass: lookup's copied continuation (None: no match) and the
+        drafter's, whose `rates`, when a proposer supplies them before drafting, replace the running estimates."""
+        self._offer = lookup if lookup is not None and lookup.tokens else None
+        self._dflash_rates = dflash.rates if dflash is not None else None
 
     def choose(self) -> int:
         offer, self._offer, self._chosen = self._offer, None, None
         supplied, self._dflash_rates = self._dflash_rates, None
         if offer is not None:
             rate, w = self._best_lookup(offer)
-            if rate is None and (self.dflash is None or not self.dflash.costs):
+            if rate is None and not self._dflash_measured():
                 pass  # nothing measured yet: copy (a context match is the better first guess)
             else:
                 rivals = self._rival_rate(supplied)
@@ -172,7 +158,7 @@ class SourceChoice:
             if offer is not None:
                 self.source, self._chosen = LOOKUP, offer
                 return w
-        if self.dflash is not None and supplied is not None and self.dflash.costs:
+        if supplied is not None and self._dflash_measured():
             w = self._best_supplied(supplied)[1]
         elif self.dflash is not None:
             w = self.dflash.choose()
@@ -190,7 +176,7 @@ class SourceChoice:
 
     def _rival_rate(self, supplied: Optional[List[float]] = None) -> Optional[float]:
         """The best rate without lookup: DFlash at its best width, or plain decoding."""
-        if self.dflash is not None and self.dflash.costs:
+        if self._dflash_measured():
             if supplied is not None:
                 return self._best_supplied(supplied)[0]
             return max(self.dflash.rates_per_second())

@@ -67,6 +67,15 @@ class FixedWidth:
         pass
 
 
+def expected_tokens(rates: Sequence[float]) -> List[float]:
+    """E(w) for w = 1..len(rates)+1 (index w-1) from per-slot acceptance: 1 + sum_{i<w} prod_{j<=i} a_j."""
+    expected, run = [1.0], 1.0
+    for a in rates:
+        run *= a
+        expected.append(expected[-1] + run)
+    return expected
+
+
 def nominal_cost(width: int) -> float:
     """A machine-independent cycle cost (in decode steps) for reproducible runs: drafting costs a fifth of a
     step and each verified token a twentieth, about what a memory-bound GPU shows."""
@@ -126,12 +135,15 @@ class WidthPolicy:
 
     def expected_tokens(self, rates: Optional[List[float]] = None) -> List[float]:
         """E(w) for w = 1..max_width (index w-1): tokens a cycle of width w commits on average."""
-        rates = self.acceptance() if rates is None else rates
-        expected, run = [1.0], 1.0
-        for a in rates:
-            run *= a
-            expected.append(expected[-1] + run)
-        return expected
+        return expected_tokens(self.acceptance() if rates is None else rates)
+
+    def measured(self) -> bool:
+        """Whether any width's cost has been measured yet."""
+        return bool(self.costs)
+
+    def measured_widths(self) -> List[int]:
+        """The widths whose cost is measured now."""
+        return sorted(self.costs)
 
     def cost(self, width: int) -> Optional[float]:
         """Estimated seconds of a cycle at `width` (None before any measurement)."""

@@ -22,7 +22,7 @@ from .group import barrier, rank0_first, setup
 from .pipeline import FeatureExchange
 
 
-def load_target(cfg):
+def load_rank_target(cfg):
     """(model, tokenizer) for this rank: the target split over the group. Rank 0 alone writes files."""
     from mlx_lm.utils import load_tokenizer
 
@@ -39,6 +39,7 @@ def load_target(cfg):
     model = load_sharded_model(str(path), group, cfg.pipeline)
     config = json.loads((path / "config.json").read_text())
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
 
 
 def drafter_for(model, drafter):

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import DFlashError
-from ..models.refs import is_repo_id
+from ..refs import is_repo_id
 from ..targets.adapter import model_type_of
 from ..models.loading import check_family
 from ..targets.families import text_lm

@@ -29,7 +29,7 @@ from .dflash import DFlashDrafter
 from .families import DrafterFamily, detect, family_of, marked_by
 from ..dtypes import mx_dtype
 from ..errors import DFlashError
-from ..models.refs import is_repo_id
+from ..refs import is_repo_id
 from ..validate import check_safetensors, hub_failure, read_json
 
 CONFIG_NAME = "config.json"

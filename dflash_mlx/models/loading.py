@@ -23,8 +23,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import registry
 from ..drafters.dflash import DFlashDrafter, TargetBinding
 from ..dtypes import dtype_name  # noqa: F401  (re-exported: commands import it from here)
+from ..decode.lookup import LOOKUP_ONLY
 from ..errors import DFlashError
-from .refs import is_repo_id
+from ..refs import is_repo_id
 from .hub import hub_failure
 from .pairing import check_pair
 from ..targets import TargetModel, build_target, supported_model_types
@@ -207,8 +208,8 @@ def load(
     elif quant is not None:
         raise DFlashError("--quant applies to registry names only (see 'dflash-mlx models'); "
                           f"'{path_or_hf_repo}' is a path or repo id")
-    if drafter == "lookup":  # lookup drafting alone (lookup.LOOKUP_ONLY): no drafter to load or pair
-        return (*load_target(target_ref, tokenizer_config, revision), drafter)
+    if drafter == LOOKUP_ONLY:  # lookup drafting alone: no drafter to load or pair
+        return (*load_target(target_ref, tokenizer_config, revision), LOOKUP_ONLY)
     if drafter is None:
         raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target), or "
                           "drafter='lookup' to draft by copying from the context")

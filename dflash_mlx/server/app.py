@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from ..decode.lookup import drafter_model
 from ..errors import DFlashError
 from ..decode.sampling import SamplingParams
 from . import anthropic_format, errors, prompts, responses_format
@@ -100,7 +101,7 @@ class Server:
         store = None
         if settings.prompt_cache_dir:
             store = PrefixStore(prepare_folder(settings.prompt_cache_dir),
-                                fingerprint(model, None if isinstance(drafter, str) else drafter),
+                                fingerprint(model, drafter_model(drafter)[0]),
                                 settings.prompt_cache_dir_bytes)
         self.generator = Generator(model, self.tokenizer, drafter, block_size=settings.block_size,
                                    prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,

@@ -19,9 +19,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 import mlx.core as mx
 
 from ..decode.batching import Batch, BatchedGeneration
-from ..decode.engine import DecodeState, prefill
+from ..decode.state import DecodeState, prefill
 from ..decode.generation import Generation
-from ..decode.lookup import LOOKUP_ONLY
+from ..decode.lookup import drafter_model
 from ..models.loading import prepare
 from ..decode.stats import AcceptanceStats
 from ..targets.caches import can_trim
@@ -109,8 +109,7 @@ class Generator:
                  prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1,
                  store: Optional[PrefixStore] = None):
         # `--draft lookup`: no drafter; every pass may copy from the context (the prompt, cached prefixes).
-        self.lookup_only = drafter == LOOKUP_ONLY
-        drafter = None if self.lookup_only else drafter
+        drafter, self.lookup_only = drafter_model(drafter)
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter

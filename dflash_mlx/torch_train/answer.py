@@ -18,7 +18,7 @@ import torch
 
 from ..errors import DFlashError
 from ..train.data import eos_id, prompt_chats, write_answers
-from .target import load_target, pick_device
+from .target import load_torch_target, pick_device
 
 
 def answer_batch(target, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
@@ -54,7 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         device = pick_device(args.device)
-        target = load_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        target = load_torch_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         tok = target.tokenizer
         chats = prompt_chats(tok, args.prompts)
         chats.sort(key=lambda c: len(c[1].prompt))  # similar lengths together: less padding

@@ -48,7 +48,7 @@ class Target:
 
     def output_gain(self) -> Optional[torch.Tensor]:
         """The target's final-norm gain (norm of a vector of ones), the drafter's starting output norm (see
-        `dflash_mlx.train.command.output_scale`); None when the layout is unknown."""
+        `dflash_mlx.train.drafter.output_scale`); None when the layout is unknown."""
         norm = getattr(getattr(self.model, "model", None), "norm", None)
         if norm is None:
             return None
@@ -76,7 +76,7 @@ class Target:
         return out
 
 
-def load_target(ref: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Target:
+def load_torch_target(ref: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Target:
     """A target from a Hugging Face / mlx-lm folder or a `.gguf` file (dequantized by transformers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

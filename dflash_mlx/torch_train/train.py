@@ -34,7 +34,7 @@ from ..train.recipe import (block_labels, choose_mask_token, default_taps, draw_
 from ..train.vocab import maps, select_vocab
 from .checkpoint import load_drafter, save_drafter
 from .model import DraftModel
-from .target import describe, load_target, pick_device
+from .target import describe, load_torch_target, pick_device
 
 STATE_NAME = "train_state.pt"
 EVAL_STREAM = 2 ** 31  # the held-out draws' "step": the same blocks at every evaluation
@@ -101,7 +101,7 @@ class Run:
         self.args, self.log = args, log
         self.device = pick_device(args.device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.target = load_target(args.target, self.device, dtype)
+        self.target = load_torch_target(args.target, self.device, dtype)
         data = prepare_data(self.target.tokenizer, args.data, seq_len=args.seq_len, max_tokens=args.max_data_tokens,
                             num_eval=args.eval_prompts, seed=args.seed, progress=False)
         rows = data.tokens.shape[0]

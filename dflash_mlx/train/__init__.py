@@ -1,5 +1,16 @@
 """Training DFlash drafters: `dflash-mlx train` (command.py) and its parts.
 
+command.py   the typer command: flags -> TrainArgs -> launch.run
+args.py      TrainArgs, the run's options (saved with every checkpoint, read back on --resume)
+checks.py    every option checked in one line before anything loads (and against the loaded target)
+outdir.py    where a run may write: --out and --cache checks, the run marker
+target.py    loading the target for training, its fingerprint, the --resume target check
+prepare.py   data -> feature cache for a run (stages 1 and 2), fingerprinted
+drafter.py   the drafter a run starts from: config, output norm gain, mask token, reduced head
+session.py   one run set up: target, cache, drafter and trainer (restored on --resume)
+launch.py    run: in-process, --workers ranks on this machine, or a rank under mlx.launch
+loop.py      the training loop: steps, held-out τ, checkpoints, the summary lines
+export.py    checkpoints and the written drafter + model card
 data.py      files and chat datasets -> packed token rows, label mask, held-out prompts (optionally regenerated)
 features.py  the frozen target's tapped features, extracted once into a resumable memory-mapped cache
 recipe.py    rows, anchors, labels, slot weights, taps and mask token: numpy only, shared with torch_train

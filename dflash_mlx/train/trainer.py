@@ -377,7 +377,7 @@ def held_out_tau(target, drafter, prompts: Sequence[Sequence[int]], *, max_token
 
     `target` is a `TargetModel` tapped for `drafter` (see `api.prepare`); this is the engine's own loop.
     """
-    from ..decode.engine import dflash_generate_step
+    from ..decode.loop import dflash_generate_step
 
     total, passes, tokens = 0, 0, 0
     tic = time.perf_counter()

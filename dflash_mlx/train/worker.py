@@ -17,7 +17,8 @@ import sys
 def main(argv=None) -> int:
     from ..distributed.group import launched
     from ..errors import DFlashError
-    from .command import TrainArgs, run
+    from .args import TrainArgs
+    from .launch import run
     from .parallel import LOST, report_error
 
     argv = sys.argv[1:] if argv is None else argv

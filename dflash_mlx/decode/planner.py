@@ -1,0 +1,118 @@
+"""The planner: before each pass, which proposer drafts and how wide the pass is; after it, what it cost.
+
+The loop asks one object one question per pass (`Planner.plan(offers)`) and reports one answer
+(`Planner.record`). Behind it sit the estimators that make the choice:
+- `width.WidthPolicy` (the drafter's widths: measured seconds per width, running per-slot acceptance), a
+  `width.FixedWidth` (`width=N`), or any object of the `width.Width` shape (a rank coordinator's wrapper, a test's
+  schedule);
+- `sources.SourceChoice` when prompt lookup is on: lookup's copied continuation against the drafter's block
+  against plain decoding, each at its best width.
+`cut` applies a drafter's confidence head to the block just drafted (`WidthPolicy.truncate`); whether the planner
+may cut is fixed when it is built (a fixed or rank-coordinated width must not change under it), never found out by
+looking inside the objects it holds.
+
+`build_planner` is where a generation's options become a planner, in one place for the single stream and the
+batch: a fixed width, or an adaptive one up to the drafter's block; sampled output that must follow from its seed
+alone gets machine-independent costs (`width.nominal_cost`); then the installed coordinator wraps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence
+
+from ..errors import DFlashError
+from .proposal import DFLASH, LOOKUP, PLAIN, Offer
+from .sources import SourceChoice
+from .width import FixedWidth, Width, WidthPolicy, coordinate, nominal_cost
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one pass."""
+
+    source: str  # the proposer that drafts it (PLAIN: none)
+    width: int  # tokens to verify (1: a plain decoding step)
+    offer: Optional[Offer] = None  # the chosen proposer's offer (lookup: the continuation to copy)
+
+
+class Planner:
+    """Chooses each pass's proposer and width; see the module docstring.
+
+    Args:
+        widths: where pass widths come from (the source choice itself, possibly wrapped, when lookup is on).
+        choice: the lookup-vs-drafter choice, when prompt lookup is on.
+        cutter: the width policy that may cut a confident block short (None: never cut).
+        drafting: whether a drafter is there to fill widths above 1 without lookup.
+    """
+
+    def __init__(self, widths: Width, *, choice: Optional[SourceChoice] = None,
+                 cutter: Optional[WidthPolicy] = None, drafting: bool = True):
+        self.widths, self.choice, self.cutter, self.drafting = widths, choice, cutter, drafting
+
+    def widest(self, source: str) -> int:
+        """The widest pass this planner may choose for `source` (what a proposer is asked to offer)."""
+        return self.choice.lookup_width if source == LOOKUP and self.choice is not None else 1 << 30
+
+    def plan(self, offers: Dict[str, Optional[Offer]], room: int) -> Plan:
+        """The next pass, from the proposers' offers; `room` is the most tokens the generation may still commit."""
+        if self.choice is not None:
+            self.choice.take(offers.get(LOOKUP), offers.get(DFLASH))
+        width = int(min(self.widths.choose(), room))
+        if width <= 1:
+            return Plan(PLAIN, 1)
+        if self.choice is not None:
+            source = self.choice.source
+            if source == LOOKUP:
+                copied = self.choice.lookup_tokens[: width - 1]
+                return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied))
+            return Plan(source, width)  # a choice without drafter never picks DFLASH above width 1
+        return Plan(DFLASH if self.drafting else PLAIN, width if self.drafting else 1)
+
+    @property
+    def cuts(self) -> bool:
+        return self.cutter is not None
+
+    def cut(self, confidence: Sequence[float], width: int) -> int:
+        """The width of a drafted block of `width` tokens under its confidence estimates (see `cutter`)."""
+        return self.cutter.truncate(confidence, width)
+
+    def record(self, width: int, accepted: int, seconds: float) -> None:
+        """One finished pass: its width, drafts accepted and seconds since the previous pass ended."""
+        self.widths.record(width, accepted, seconds)
+
+
+def build_planner(*, drafter_block: Optional[int], width: Optional[int] = None, policy: Optional[Width] = None,
+                  max_width: Optional[int] = None, lookup: bool = False, lookup_width: int = 32,
+                  reproducible: bool = False,
+                  shared: Optional[Callable[[int], Optional["Planner"]]] = None) -> Planner:
+    """A generation's planner.
+
+    Args:
+        drafter_block: the drafter's trained block (None: no drafter).
+        width: a fixed verify width (1: plain decoding); policy: a ready width policy instead of the adaptive one.
+        max_width: the widest adaptive pass (default: the drafter's block).
+        lookup: draft by prompt lookup too (with an adaptive width); lookup_width: its widest pass.
+        reproducible: sampled output must follow from the seed alone: widths follow acceptance, not the clock.
+        shared: a batch's shared planner for a widest width (None: none), used by members that may share one (no
+            lookup, no seeded sampling).
+    """
+    drafting = drafter_block is not None
+    if width is not None and drafting and width < 1:
+        raise DFlashError(f"width must be >= 1, got {width}")
+    if width is not None or (not drafting and not lookup):
+        return Planner(FixedWidth(width if width is not None and drafting else 1), drafting=drafting)
+    if policy is not None:
+        return Planner(policy, cutter=policy if isinstance(policy, WidthPolicy) else None, drafting=drafting)
+    cost = nominal_cost if reproducible else None
+    widest = max_width or drafter_block
+    pooled = shared(widest) if shared is not None and not lookup and not reproducible else None
+    if pooled is not None:
+        return pooled
+    dflash = WidthPolicy(widest, cost=cost) if drafting else None
+    if lookup:
+        choice = SourceChoice(dflash, lookup_width, cost=cost)
+        paced = coordinate(choice)
+        return Planner(paced, choice=choice, cutter=dflash if paced is choice else None, drafting=drafting)
+    paced = coordinate(dflash)
+    return Planner(paced, cutter=dflash if paced is dflash else None, drafting=True)

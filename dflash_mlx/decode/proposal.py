@@ -1,0 +1,59 @@
+"""An offer and a proposal: what a proposer could draft before a pass, and the drafts the pass verifies, handed as
+a value from the proposer through the acceptor to the verify.
+
+A proposal: the drafts one pass verifies, handed as a value from a proposer through the acceptor to the verify.
+
+`tokens` are the drafts (block slots 1..n; slot 0 is the last committed token). `logq` holds, when the acceptor
+samples, the log proposal distribution each draft was drawn from (row i for draft i), exactly what rejection
+sampling divides by; `point_mass` says the drafts were fixed in advance (copied from the context), so q is a
+one-hot on each and the acceptor builds those rows once it knows the vocabulary. Greedy acceptance reads the tokens
+alone. `confidence` is a drafter's own per-slot acceptance estimate (a DSpark confidence head), read by the planner
+to cut the block short; `flushed` the tapped features the drafter's forward moved into its cache, restored if the
+pass is withdrawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import List, Optional
+
+import mlx.core as mx
+
+DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"  # the proposers the package ships, by name
+
+
+@dataclass
+class Offer:
+    """What a proposer could draft for the next pass, before the planner chooses its width."""
+
+    source: str
+    max_width: int  # the widest pass it can fill (drafts + 1)
+    tokens: Optional[List[int]] = None  # drafts known before drafting (lookup: the copied continuation)
+    match: int = 0  # lookup: match length
+    rates: Optional[List[float]] = None  # per-slot acceptance estimates the proposer supplies
+
+
+@dataclass
+class Proposal:
+    tokens: mx.array  # [n] draft tokens (lazy)
+    logq: Optional[mx.array] = None  # [n, V] log q of each draft's row (sampling acceptors only)
+    point_mass: bool = False  # drafts fixed in advance: q is one-hot on each
+    source: str = DFLASH  # the proposer that made it
+    confidence: Optional[mx.array] = None  # [n] per-slot acceptance estimates (a confidence head)
+    flushed: Optional[mx.array] = None  # [1, S, n*H] features moved into the draft cache by drafting it
+
+    @property
+    def width(self) -> int:
+        """Tokens the pass verifies: the last committed token and the drafts."""
+        return int(self.tokens.shape[-1]) + 1
+
+    def cut(self, drafts: int) -> "Proposal":
+        """The first `drafts` drafts with their rows. Exact for sampling when whether slot i is verified depends
+        only on the drafts before it (a stopping time)."""
+        return replace(self, tokens=self.tokens[:drafts], logq=None if self.logq is None else self.logq[:drafts],
+                       confidence=None if self.confidence is None else self.confidence[:drafts])
+
+    @classmethod
+    def empty(cls) -> "Proposal":
+        """No drafts: a plain decoding step."""
+        return cls(mx.zeros((0,), dtype=mx.int32), source=PLAIN)

@@ -1,0 +1,96 @@
+"""The DFlash drafter as a proposer: one block of drafts per pass, conditioned on the target's tapped features.
+
+Every drafter family adapts here, once, when the proposer is built:
+- a block drafter (DFlash 1, the oracle) gives logits for all slots at once; the acceptor draws from them, and
+  greedy acceptance asks for the argmax alone when the drafter can give it without the full-vocabulary logits;
+- a walk drafter (DSpark's Markov head, DFlash 2's candidate selector) proposes slot i given draft i-1: the
+  acceptor walks it (`acceptance.DraftWalk`);
+- a walk with a confidence head (DSpark) also attaches its per-slot acceptance estimates to the proposal, for the
+  planner to cut the block short (`Planner.cut`).
+
+The features of committed tokens wait in `state.pending_context` until the next block is drafted (they are added
+to the draft cache then, in one call); a withdrawn proposal gives them back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, List, Optional, Protocol, Sequence
+
+import mlx.core as mx
+
+from ...errors import DFlashError
+from ..acceptance import Acceptor, GreedyAcceptor
+from ..proposal import DFLASH, Offer, Proposal
+from ..state import DecodeState
+
+
+class Drafter(Protocol):
+    """What a drafter gives the proposer (`drafters.dflash.DFlashDrafter`, `drafters.oracle.OracleDrafter`).
+
+    Optional: `greedy_draft(block_ids, cache) -> ids [1, B-1]` (the argmax without full logits);
+    `draft_walk(block_ids, cache) -> DraftWalk` for drafters whose slot i depends on draft i-1, with
+    `has_confidence` when the walk estimates each slot's acceptance (`walk.confidence()`).
+    """
+
+    block_size: int
+    mask_token_id: Optional[int]
+
+    def make_cache(self) -> List[Any]: ...
+
+    def append_context(self, target_hidden: mx.array, cache: List[Any]) -> None: ...
+
+    def rollback(self, cache: List[Any], num_tokens: int) -> None: ...
+
+    def __call__(self, block_ids: mx.array, cache: List[Any]) -> mx.array: ...
+
+
+class DFlashProposer:
+    name = DFLASH
+
+    def __init__(self, drafter: Drafter, mask_token_id: Optional[int] = None):
+        self.drafter = drafter
+        self.mask_token_id = drafter.mask_token_id if mask_token_id is None else mask_token_id
+        self._draw = self._family_draw(drafter)
+
+    def check_mask(self) -> None:
+        if self.mask_token_id is None:
+            raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
+
+    @staticmethod
+    def _family_draw(drafter) -> Callable[[mx.array, List[Any], Acceptor, int], Proposal]:
+        """How this drafter's block becomes a proposal (see the module docstring)."""
+        walk = getattr(drafter, "draft_walk", None)
+        if walk is not None:
+            confident = bool(getattr(drafter, "has_confidence", False))
+
+            def walked(block_ids, cache, acceptor, anchor):
+                w = walk(block_ids, cache)
+                proposal = acceptor.propose_walk(w, anchor)
+                return replace(proposal, confidence=w.confidence()) if confident else proposal
+            return walked
+        greedy = getattr(drafter, "greedy_draft", None)
+
+        def block(block_ids, cache, acceptor, anchor):
+            if greedy is not None and isinstance(acceptor, GreedyAcceptor):
+                return Proposal(greedy(block_ids, cache)[0])  # greedy needs only the argmax
+            return acceptor.propose(drafter(block_ids, cache)[0])
+        return block
+
+    def offer(self, state: DecodeState, widest: int) -> Optional[Offer]:
+        return Offer(DFLASH, min(widest, self.drafter.block_size))
+
+    def propose(self, state: DecodeState, acceptor: Acceptor, width: int, offer: Optional[Offer]) -> Proposal:
+        self.check_mask()
+        flushed = state.flush_context(self.drafter)
+        block_ids = mx.array([[state.last_token] + [self.mask_token_id] * (width - 1)], dtype=mx.int32)
+        proposal = self._draw(block_ids, state.draft_cache, acceptor, state.last_token)
+        return replace(proposal, source=DFLASH, flushed=flushed)
+
+    def observe(self, state: DecodeState, tokens: Sequence[int], features: Optional[mx.array]) -> None:
+        state.add_context(features)
+
+    def withdraw(self, state: DecodeState, proposal: Proposal) -> None:
+        if proposal.flushed is not None:
+            self.drafter.rollback(state.draft_cache, proposal.flushed.shape[1])
+            state.pending_context = proposal.flushed

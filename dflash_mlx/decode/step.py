@@ -1,0 +1,205 @@
+"""The pass step: one verify pass of one generation, in the phases the single-stream loop and the batch share.
+
+    start(prompt)            prefill; the first token (a `Pass` with `is_prefill`)
+    propose()                the planner picks a proposer and a width from the proposers' offers; it drafts
+    block(proposal)          the ids the target verifies: [last committed token, drafts...]
+    verify(proposal, ...)    the acceptor's verdict on the target's logits, packed for one host sync
+    finish(launch, values)   roll the caches back to the kept prefix, tell every proposer what was committed
+    withdraw(launch)         a launched pass the caller no longer wants, undone before `finish`
+    take_back(launch)        a finished pass the caller never saw, undone after `finish`
+
+The target forward between `block` and `verify` is the caller's: the loop runs one request's block
+(`loop.dflash_generate_step`, which queues the next pass before yielding the current one), the batch runs every
+member's blocks in one ragged pass (`batching.Batch`). Every committed token is the target's own choice given the
+committed prefix, so the output is the target's alone whatever the proposer, width or batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from ..targets import TargetModel
+from .acceptance import Acceptor
+from .lookup import LookupIndex
+from .planner import Planner
+from .proposal import DFLASH, LOOKUP, PLAIN, Proposal
+from .proposers import Proposer
+from .proposers.dflash import DFlashProposer
+from .proposers.lookup import LookupProposer
+from .proposers.plain import PlainProposer
+from .state import DecodeState, prefill
+
+CLEAR_CACHE_EVERY = 256  # passes between releases of MLX's buffer cache, as mlx-lm's decode loop does
+
+
+@dataclass
+class Pass:
+    """What one verify pass committed (the first pass of a generation is the prefill's token)."""
+
+    tokens: List[int]  # committed tokens, a stop token included, cut at the token limit
+    accepted: int  # draft tokens the pass accepted (0..width-1); the last token is always the target's own
+    width: int  # tokens the pass verified (1: a plain decoding step; 1 for the prefill's token)
+    logits: Optional[mx.array] = None  # [len(tokens), V] the target logits that chose each token (lazy)
+    is_prefill: bool = False
+    source: str = PLAIN  # the proposer of its drafts: "dflash", "lookup" or "plain" (no drafts)
+    segments: List[str] = field(default_factory=list)  # text each token added (filled by `Generation`)
+    finish_reason: Optional[str] = None  # "stop", "length" or None (filled by `Generation`)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.segments)
+
+    @property
+    def block_size(self) -> int:
+        """Deprecated: the pass's verify width under its earlier name (the drafter's block is another thing)."""
+        return self.width
+
+
+@dataclass
+class Launch:
+    """A pass whose verify is queued: the device computes it while the host does other work."""
+
+    proposal: Proposal
+    packed: mx.array  # [acc, choice_0..choice_{w-1}, draft_1..draft_{w-1}]
+    logits: mx.array  # [w, V]
+    hidden: mx.array  # [1, w, n*H]
+    kept: int = 0  # tokens `finish` committed
+    previous_token: int = -1  # the last committed token before it
+
+    @property
+    def width(self) -> int:
+        return self.proposal.width
+
+
+def proposers_for(drafter, lookup: Optional[LookupIndex], mask_token_id: Optional[int] = None
+                  ) -> Dict[str, Proposer]:
+    """The proposers of a generation: plain decoding always, the drafter's blocks with a drafter, prompt lookup
+    with an index."""
+    proposers: Dict[str, Proposer] = {PLAIN: PlainProposer()}
+    if drafter is not None:
+        proposers[DFLASH] = DFlashProposer(drafter, mask_token_id)
+    if lookup is not None:
+        proposers[LOOKUP] = LookupProposer(lookup)
+    return proposers
+
+
+def accepted_tokens(values: Sequence[int], width: int, stops: set):
+    """(tokens to commit, drafts accepted) from a pass's packed result; a stop token ends the commit."""
+    acc, choice = values[0], values[1 : 1 + width]
+    tokens = list(values[1 + width : 1 + width + acc]) + [choice[acc]]
+    stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return (tokens if stop_at is None else tokens[: stop_at + 1]), acc
+
+
+class Decoder:
+    """One generation's passes; see the module docstring.
+
+    Args:
+        target: the wrapped target; drafter: its drafter or None (the prefill feeds its cache).
+        proposers: by name (`proposers_for`); planner: chooses each pass's proposer and width.
+        acceptor: the acceptance rule; state: the caches.
+        max_tokens: tokens to commit at most (None or < 0: no limit); stops: stop token ids.
+        mark: for benchmarks, `mark(phase, *arrays)` at the end of each phase (see `loop.dflash_generate_step`).
+    """
+
+    def __init__(self, target: TargetModel, drafter, proposers: Dict[str, Proposer], planner: Planner,
+                 acceptor: Acceptor, state: DecodeState, *, max_tokens: Optional[int], stops: Sequence[int] = (),
+                 mark: Optional[Callable] = None):
+        self.target, self.drafter, self.proposers, self.planner = target, drafter, proposers, planner
+        self.acceptor, self.state = acceptor, state
+        self.limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
+        self.stops = set(int(t) for t in stops)
+        self.mark = mark or (lambda phase, *arrays: None)
+        self.emitted = self.passes = 0
+        self.wants = True  # wants another pass
+        target.check_rollback_supported(state.target_cache)
+
+    def _observe(self, tokens: List[int], features: Optional[mx.array]) -> None:
+        self.acceptor.observe(tokens)
+        for proposer in self.proposers.values():
+            proposer.observe(self.state, tokens, features)
+
+    def start(self, prompt: mx.array, step_size: int = 2048,
+              progress: Optional[Callable[[int, int], None]] = None) -> Pass:
+        """Prefill `prompt` (its features go to the draft cache) and choose the token after it."""
+        # History-dependent logits processors and the lookup index see every token the target has seen.
+        self.acceptor.observe(prompt)
+        for proposer in self.proposers.values():
+            proposer.observe(self.state, prompt.tolist(), None)
+        last_logits = prefill(self.target, self.drafter, prompt, self.state, step_size, progress)
+        first = int(self.acceptor.first(last_logits).item())
+        self.state.last_token = first
+        self._observe([first], None)
+        self.mark("prefill")
+        self.emitted = 1
+        self.wants = first not in self.stops and self.emitted < self.limit
+        return Pass([first], 0, 1, logits=last_logits[None], is_prefill=True)
+
+    def propose(self) -> Proposal:
+        """Plan the next pass and draft it (queued on the device; a lookup runs on the host now)."""
+        self.mark("host")
+        room = self.limit - self.emitted
+        offers = {name: p.offer(self.state, int(min(self.planner.widest(name), room)))
+                  for name, p in self.proposers.items() if name != PLAIN}
+        plan = self.planner.plan(offers, room)
+        if plan.width <= 1:
+            return Proposal.empty()
+        with mx.stream(generation_stream):
+            proposal = self.proposers[plan.source].propose(self.state, self.acceptor, plan.width, plan.offer)
+            if proposal.confidence is not None and self.planner.cuts:
+                # One extra host sync, for drafters that estimate their own acceptance (a DSpark confidence head).
+                width = self.planner.cut(proposal.confidence.tolist(), proposal.width)
+                proposal = proposal.cut(width - 1)
+        self.mark("draft", proposal.tokens)
+        return proposal
+
+    def block(self, proposal: Proposal) -> mx.array:
+        """Ids [1, w] the target verifies: the last committed token (slot 0), then the drafts."""
+        head = mx.array([[self.state.last_token]], dtype=mx.int32)
+        return mx.concatenate([head, proposal.tokens[None]], axis=1)
+
+    def verify(self, proposal: Proposal, logits: mx.array, hidden: mx.array) -> Launch:
+        """The acceptor's verdict on the target's logits [w, V] for the block, packed for one host read."""
+        with mx.stream(generation_stream):
+            acc, choice = self.acceptor.verify(proposal, logits)
+            packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, proposal.tokens])
+        self.mark("verify", packed, hidden)
+        return Launch(proposal, packed, logits, hidden)
+
+    def finish(self, launch: Launch, values: Sequence[int], seconds: float) -> Pass:
+        """Commit the pass whose packed result was read as `values`; `seconds` is its cost."""
+        width = launch.width
+        tokens, acc = accepted_tokens(values, width, self.stops)
+        self.planner.record(width, acc, seconds)
+        self.mark("host")
+        # The target cache holds the whole block; keep the committed prefix (the newest token is the next
+        # block's slot 0, so it is not in the cache yet).
+        keep = len(tokens)
+        self.target.rollback(self.state.target_cache, width - keep)
+        self.mark("rollback", [c.state for c in self.state.target_cache])
+        launch.kept, launch.previous_token = keep, self.state.last_token
+        self._observe(tokens, launch.hidden[:, :keep] if self.drafter is not None else None)
+        self.state.last_token = tokens[-1]
+        self.emitted += keep
+        self.passes += 1
+        if self.passes % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        self.wants = tokens[-1] not in self.stops and self.emitted < self.limit
+        return Pass(tokens, acc, width, logits=launch.logits[:keep], source=launch.proposal.source)
+
+    def withdraw(self, launch: Launch) -> None:
+        """Undo a launched pass before `finish`: the caches hold exactly the committed tokens again."""
+        self.target.rollback(self.state.target_cache, launch.width)
+        self.proposers[launch.proposal.source].withdraw(self.state, launch.proposal)
+
+    def take_back(self, launch: Launch) -> None:
+        """Undo a finished pass whose tokens the caller never saw: its kept tokens are still the newest verify
+        write, which the target can drop, and their features the newest waiting ones."""
+        self.state.drop_context(launch.kept)
+        self.target.rollback(self.state.target_cache, launch.kept)
+        self.proposers[launch.proposal.source].withdraw(self.state, launch.proposal)
+        self.state.last_token = launch.previous_token
