@@ -106,7 +106,8 @@ def stream_generate(
         prefill_progress: called as `(tokens_done, total)` after each prefill chunk (e.g. a progress bar).
         lookup: draft from the context too: each pass copies what followed the longest earlier match of the newest
             tokens (prompt, earlier turns in `state`, committed tokens) when that is expected to be faster than the
-            drafter (see `decode.sources.SourceChoice`). Default: on with a drafter and a chosen width; False turns it off.
+            drafter (see `decode.sources.SourceChoice`). Default: on with a drafter and a chosen width; False turns
+            it off.
         warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
         block_size: deprecated name of `width` (an object there: of `planner`).
         sampling: the keywords of `decode.acceptance.make_acceptor`, as in mlx-lm:

@@ -16,6 +16,7 @@ import json
 import math
 import signal
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
@@ -48,8 +49,8 @@ class ChatSession:
     """A conversation with one target/drafter pair; usable without the REPL (tests, notebooks)."""
 
     def __init__(self, model, tokenizer, drafter, *, system: Optional[str] = None, max_tokens: int = 1024,
-                 block_size: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None,
-                 lookup: Optional[bool] = None):
+                 width: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None,
+                 lookup: Optional[bool] = None, block_size: Optional[int] = None):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.model = model
@@ -57,7 +58,9 @@ class ChatSession:
         self.drafter = drafter
         self.system = system
         self.max_tokens = max_tokens
-        self.block_size = block_size
+        if block_size is not None:
+            warnings.warn("ChatSession(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=2)
+        self.width = width if width is not None else block_size  # verify width per pass (None: chosen each pass)
         self.lookup = lookup  # drafts copied from the conversation (earlier turns included); see api.stream_generate
         self.sampling: Dict = dict(sampling or {})
         self.thinking = thinking
@@ -176,7 +179,7 @@ class ChatSession:
             self.last_prefill_tokens = len(new) + (1 if self.seen else 0)
             self.seen.extend(new)
             stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
-                                     width=self.block_size, state=self.state, prefill_progress=progress,
+                                     width=self.width, state=self.state, prefill_progress=progress,
                                      lookup=self.lookup, **self.sampling)
             try:
                 for response in stream:

@@ -212,7 +212,7 @@ def chat(
     if seed is not None:
         sampling["seed"] = seed
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
-                          block_size=block_size, sampling=sampling, thinking=thinking,
+                          width=block_size, sampling=sampling, thinking=thinking,
                           lookup=False if no_lookup else None)
     if history is not None:
         session.load(str(history))

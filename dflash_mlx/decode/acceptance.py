@@ -1,10 +1,10 @@
 """Acceptance rules: how draft tokens are proposed from the drafter's logits and which of them the target keeps.
 
 An acceptor draws a pass's drafts into a `Proposal` (the tokens and, for rejection sampling, the rows they were
-drawn from) and turns the verify of that proposal into `(acc, fix)`: `acc` draft tokens are accepted and `fix[acc]` is the
-target's own token after them (the bonus, or the correction at the first rejection); only `fix[acc]` is read, and
-the sampling acceptor draws just that one token (it fills every slot of `fix` with it). Everything stays on the
-device so a cycle needs a single host sync. Greedy is the fast special case; `SamplingAcceptor` is lossless
+drawn from) and turns the verify of that proposal into `(acc, fix)`: `acc` draft tokens are accepted and
+`fix[acc]` is the target's own token after them (the bonus, or the correction at the first rejection); only
+`fix[acc]` is read, and the sampling acceptor draws just that one token (it fills every slot of `fix` with it).
+Everything stays on the device so a pass needs a single host sync. Greedy is the fast special case; `SamplingAcceptor` is lossless
 rejection sampling (docs/acceptance.md); `MatchAcceptor` runs an opaque mlx-lm sampler. `make_acceptor` picks
 the rule for mlx-lm's sampling options.
 

@@ -39,7 +39,8 @@ from .lookup import LookupIndex
 from .loop import engine_planner
 from .planner import Planner
 from .state import DecodeState
-from .step import Decoder, Launch, Pass, proposers_for
+from .proposers import Proposer
+from .step import Decoder, Launch, Pass, drafting_proposer, proposers_for
 from .width import Width, WidthPolicy, coordinate
 
 
@@ -100,13 +101,14 @@ class Batch:
                       state: Optional[DecodeState] = None, acceptor: Optional[Acceptor] = None,
                       prefill_progress: Optional[Callable[[int, int], None]] = None,
                       lookup: Optional[LookupIndex] = None, block_size: Optional[int] = None,
-                      ) -> Generator[Pass, None, None]:
+                      proposer: Optional[Proposer] = None) -> Generator[Pass, None, None]:
         """`loop.dflash_generate_step` for a member of this batch (same arguments and passes)."""
         target, drafter = self.target, self.drafter
-        planner = engine_planner(drafter, width=width, planner=planner, block_size=block_size)
+        drafting = drafting_proposer(drafter, proposer, mask_token_id)
+        planner = engine_planner(drafting, width=width, planner=planner, block_size=block_size)
         state = state or DecodeState.fresh(target, drafter)
         index = lookup if planner.choice is not None else None
-        decoder = Decoder(target, drafter, proposers_for(drafter, index, mask_token_id), planner,
+        decoder = Decoder(target, drafter, proposers_for(drafting, index), planner,
                           acceptor or GreedyAcceptor(), state, max_tokens=max_tokens, stops=stop_tokens)
         # The prefill runs alone (between two passes of the others).
         yield decoder.start(prompt, prefill_step_size, prefill_progress)
@@ -175,4 +177,5 @@ class BatchedGeneration(Generation):
         return self.batch.generate_step(self.prompt, max_tokens=self.max_tokens, planner=self.planner,
                                         mask_token_id=mask_token_id, stop_tokens=self.stops,
                                         prefill_step_size=prefill_step_size, state=state, acceptor=self.acceptor,
-                                        prefill_progress=prefill_progress, lookup=self.lookup)
+                                        prefill_progress=prefill_progress, lookup=self.lookup,
+                                        proposer=self.proposer)

@@ -36,7 +36,7 @@ from .planner import Planner, build_planner
 from .sources import SourceChoice
 from .state import DecodeState
 from .stats import AcceptanceStats, CollapseWatch
-from .step import Pass
+from .step import Pass, drafting_proposer
 
 logger = logging.getLogger("dflash_mlx")
 
@@ -61,6 +61,7 @@ class Generation:
             generation has ended; `collapse_warning` holds it from the pass where it was noticed.
         lookup: draft from the context too (None: on when there is a drafter; True without a drafter: lookup
             alone). Only with a chosen width (no `width`, no `planner`). lookup_width: widest lookup pass.
+        proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
         prefill_step_size, prefill_progress, mask_token_id, profiler: as `loop.dflash_generate_step` takes them.
         width_policy: deprecated name of `planner`.
     """
@@ -72,7 +73,7 @@ class Generation:
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
-                 lookup_width: int = 32, width_policy=None, **sampling):
+                 lookup_width: int = 32, proposer=None, width_policy=None, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
         if width_policy is not None:
@@ -88,17 +89,17 @@ class Generation:
         if self.prompt.size == 0:
             raise DFlashError("the prompt is empty")
         self.max_tokens = max_tokens
-        use_lookup = (drafter is not None if lookup is None else bool(lookup)) and width is None \
-            and planner is None
-        self.adaptive = (drafter is not None or use_lookup) and width is None
+        self.proposer = drafting_proposer(drafter, proposer, mask_token_id)
+        drafting = self.proposer is not None
+        use_lookup = (drafting if lookup is None else bool(lookup)) and width is None and planner is None
+        self.adaptive = (drafting or use_lookup) and width is None
         # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
         reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
         if planner is not None and not isinstance(planner, Planner):
-            planner = build_planner(drafter_block=drafter.block_size if drafter is not None else None,
-                                    policy=planner)
+            planner = build_planner(drafting=self.proposer, policy=planner)
         self.planner: Planner = planner or build_planner(
-            drafter_block=drafter.block_size if drafter is not None else None, width=width, max_width=max_width,
-            lookup=use_lookup, lookup_width=lookup_width, reproducible=reproducible, shared=self._shared_planner)
+            drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
+            reproducible=reproducible, shared=self._shared_planner)
         self.sources: Optional[SourceChoice] = self.planner.choice
         self.lookup = _lookup_index(state, history) if use_lookup else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)
@@ -133,6 +134,7 @@ class Generation:
         """The decoding loop this generation's passes come from (a batch's, in `batching.BatchedGeneration`)."""
         return dflash_generate_step(self.prompt, self.target, self.drafter, max_tokens=self.max_tokens,
                                     stop_tokens=self.stops, acceptor=self.acceptor, planner=self.planner,
+                                    proposer=self.proposer,
                                     lookup=self.lookup, **options)
 
     # -- the passes ------------------------------------------------------------------------------------------------

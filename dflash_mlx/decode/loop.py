@@ -29,25 +29,30 @@ from ..targets import TargetModel
 from .acceptance import Acceptor, GreedyAcceptor
 from .lookup import LookupIndex
 from .planner import Planner, build_planner
+from .proposal import DFLASH
+from .proposers import Proposer
 from .proposers.dflash import Drafter
 from .sources import SourceChoice
 from .state import DecodeState
-from .step import Decoder, Launch, Pass, proposers_for
+from .step import Decoder, Launch, Pass, drafting_proposer, proposers_for
 from .width import WidthPolicy
 
 Cycle = Pass  # deprecated name of the per-pass result
 
 
-def engine_planner(drafter: Optional[Drafter], *, width=None, planner: Optional[Planner] = None,
+def engine_planner(drafting: Optional[Proposer], *, width=None, planner: Optional[Planner] = None,
                    block_size: Optional[int] = None, sources: Optional[SourceChoice] = None,
                    lookup: Optional[LookupIndex] = None) -> Planner:
-    """The planner for the loop's arguments, the deprecated ones included: `block_size=N` (now `width=N`), a
-    width policy object as `width=` (now `planner=`), a `sources` choice with its `lookup` index."""
+    """The planner for the loop's arguments (`drafting`: the proposer of passes wider than 1, or None), the
+    deprecated ones included: `block_size=N` (now `width=N`), a width policy object as `width=` (now
+    `planner=`), a `sources` choice with its `lookup` index."""
     if block_size is not None:
         warnings.warn("block_size= is deprecated: the verify width is width=N", DeprecationWarning, stacklevel=3)
     policy = None
     if width is not None and not isinstance(width, int):
         policy, width = width, None
+    if planner is not None and not isinstance(planner, Planner):
+        policy, planner = planner, None  # a width policy object: plan with it
     if planner is not None:
         return planner
     if sources is not None:
@@ -57,12 +62,12 @@ def engine_planner(drafter: Optional[Drafter], *, width=None, planner: Optional[
             paced = policy or sources
             cut_by = paced.dflash if isinstance(paced, SourceChoice) else paced
             cutter = cut_by if isinstance(cut_by, WidthPolicy) else None
-            return Planner(paced, choice=sources, cutter=cutter, drafting=drafter is not None)
+            return Planner(paced, choice=sources, cutter=cutter, drafting=drafting is not None,
+                           source=drafting.name if drafting is not None else DFLASH)
     fixed = block_size if block_size is not None else width
     if fixed is None and policy is None:
-        fixed = drafter.block_size if drafter is not None else 1
-    return build_planner(drafter_block=drafter.block_size if drafter is not None else None, width=fixed,
-                         policy=policy)
+        fixed = drafting.widest if drafting is not None else 1
+    return build_planner(drafting=drafting, width=fixed, policy=policy)
 
 
 def dflash_generate_step(
@@ -83,6 +88,7 @@ def dflash_generate_step(
     lookup: Optional[LookupIndex] = None,
     sources: Optional[SourceChoice] = None,
     block_size: Optional[int] = None,
+    proposer: Optional[Proposer] = None,
 ) -> Generator[Pass, None, None]:
     """DFlash decoding (greedy unless another acceptor is given).
 
@@ -105,15 +111,17 @@ def dflash_generate_step(
             ("prefill", then per pass "host", "draft", "verify", "host", "rollback") with the arrays to evaluate
             there; the extra syncs slow decoding (see `bench.methods.PhaseProfiler`).
         block_size: deprecated name of `width`.
+        proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
 
     Yields:
         Pass: the tokens each verify pass commits, in order.
     """
-    plan = engine_planner(drafter, width=width, planner=planner, block_size=block_size, sources=sources,
+    drafting = drafting_proposer(drafter, proposer, mask_token_id)
+    plan = engine_planner(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
                           lookup=lookup)
     index = lookup if (sources is not None or (planner is not None and planner.choice is not None)) else None
     state = state or DecodeState.fresh(target, drafter)
-    decoder = Decoder(target, drafter, proposers_for(drafter, index, mask_token_id), plan,
+    decoder = Decoder(target, drafter, proposers_for(drafting, index), plan,
                       acceptor or GreedyAcceptor(), state, max_tokens=max_tokens, stops=stop_tokens,
                       mark=profiler.mark if profiler is not None else None)
     yield decoder.start(prompt, prefill_step_size, prefill_progress)

@@ -43,12 +43,14 @@ class Planner:
         widths: where pass widths come from (the source choice itself, possibly wrapped, when lookup is on).
         choice: the lookup-vs-drafter choice, when prompt lookup is on.
         cutter: the width policy that may cut a confident block short (None: never cut).
-        drafting: whether a drafter is there to fill widths above 1 without lookup.
+        drafting: whether a proposer is there to fill widths above 1 without lookup.
+        source: that proposer's name (the DFlash drafter's by default).
     """
 
     def __init__(self, widths: Width, *, choice: Optional[SourceChoice] = None,
-                 cutter: Optional[WidthPolicy] = None, drafting: bool = True):
+                 cutter: Optional[WidthPolicy] = None, drafting: bool = True, source: str = DFLASH):
         self.widths, self.choice, self.cutter, self.drafting = widths, choice, cutter, drafting
+        self.source = source
 
     def widest(self, source: str) -> int:
         """The widest pass this planner may choose for `source` (what a proposer is asked to offer)."""
@@ -57,7 +59,7 @@ class Planner:
     def plan(self, offers: Dict[str, Optional[Offer]], room: int) -> Plan:
         """The next pass, from the proposers' offers; `room` is the most tokens the generation may still commit."""
         if self.choice is not None:
-            self.choice.take(offers.get(LOOKUP), offers.get(DFLASH))
+            self.choice.take(offers.get(LOOKUP), offers.get(self.source))
         width = int(min(self.widths.choose(), room))
         if width <= 1:
             return Plan(PLAIN, 1)
@@ -66,8 +68,9 @@ class Planner:
             if source == LOOKUP:
                 copied = self.choice.lookup_tokens[: width - 1]
                 return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied))
-            return Plan(source, width)  # a choice without drafter never picks DFLASH above width 1
-        return Plan(DFLASH if self.drafting else PLAIN, width if self.drafting else 1)
+            # The choice calls the drafting proposer DFLASH; without one it never goes above width 1.
+            return Plan(self.source if source == DFLASH else source, width)
+        return Plan(self.source if self.drafting else PLAIN, width if self.drafting else 1)
 
     @property
     def cuts(self) -> bool:
@@ -82,37 +85,42 @@ class Planner:
         self.widths.record(width, accepted, seconds)
 
 
-def build_planner(*, drafter_block: Optional[int], width: Optional[int] = None, policy: Optional[Width] = None,
+def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optional[Width] = None,
                   max_width: Optional[int] = None, lookup: bool = False, lookup_width: int = 32,
                   reproducible: bool = False,
                   shared: Optional[Callable[[int], Optional["Planner"]]] = None) -> Planner:
     """A generation's planner.
 
     Args:
-        drafter_block: the drafter's trained block (None: no drafter).
+        drafting: the proposer that fills passes wider than 1 (`proposers.Proposer`: its `name` and `widest`, the
+            drafter's trained block for DFlash), or None: none.
         width: a fixed verify width (1: plain decoding); policy: a ready width policy instead of the adaptive one.
-        max_width: the widest adaptive pass (default: the drafter's block).
+        max_width: the widest adaptive pass (default: the drafting proposer's widest).
         lookup: draft by prompt lookup too (with an adaptive width); lookup_width: its widest pass.
         reproducible: sampled output must follow from the seed alone: widths follow acceptance, not the clock.
-        shared: a batch's shared planner for a widest width (None: none), used by members that may share one (no
-            lookup, no seeded sampling).
+        shared: a batch's shared DFlash planner for a widest width (None: none), used by members that may share
+            one (no lookup, no seeded sampling).
     """
-    drafting = drafter_block is not None
-    if width is not None and drafting and width < 1:
+    source = drafting.name if drafting is not None else DFLASH
+    if width is not None and drafting is not None and width < 1:
         raise DFlashError(f"width must be >= 1, got {width}")
-    if width is not None or (not drafting and not lookup):
-        return Planner(FixedWidth(width if width is not None and drafting else 1), drafting=drafting)
+    if width is not None or (drafting is None and not lookup):
+        return Planner(FixedWidth(width if width is not None and drafting is not None else 1),
+                       drafting=drafting is not None, source=source)
     if policy is not None:
-        return Planner(policy, cutter=policy if isinstance(policy, WidthPolicy) else None, drafting=drafting)
+        return Planner(policy, cutter=policy if isinstance(policy, WidthPolicy) else None,
+                       drafting=drafting is not None, source=source)
     cost = nominal_cost if reproducible else None
-    widest = max_width or drafter_block
-    pooled = shared(widest) if shared is not None and not lookup and not reproducible else None
+    widest = max_width or (drafting.widest if drafting is not None else None)
+    pooled = (shared(widest) if shared is not None and source == DFLASH and not lookup and not reproducible
+              else None)
     if pooled is not None:
         return pooled
-    dflash = WidthPolicy(widest, cost=cost) if drafting else None
+    model = WidthPolicy(widest, cost=cost) if drafting is not None else None
     if lookup:
-        choice = SourceChoice(dflash, lookup_width, cost=cost)
+        choice = SourceChoice(model, lookup_width, cost=cost)
         paced = coordinate(choice)
-        return Planner(paced, choice=choice, cutter=dflash if paced is choice else None, drafting=drafting)
-    paced = coordinate(dflash)
-    return Planner(paced, cutter=dflash if paced is dflash else None, drafting=True)
+        return Planner(paced, choice=choice, cutter=model if paced is choice else None,
+                       drafting=drafting is not None, source=source)
+    paced = coordinate(model)
+    return Planner(paced, cutter=model if paced is model else None, source=source)

@@ -38,7 +38,7 @@ class Proposal:
     tokens: mx.array  # [n] draft tokens (lazy)
     logq: Optional[mx.array] = None  # [n, V] log q of each draft's row (sampling acceptors only)
     point_mass: bool = False  # drafts fixed in advance: q is one-hot on each
-    source: str = DFLASH  # the proposer that made it
+    source: str = DFLASH  # the proposer that made it (the pass step labels it)
     confidence: Optional[mx.array] = None  # [n] per-slot acceptance estimates (a confidence head)
     flushed: Optional[mx.array] = None  # [1, S, n*H] features moved into the draft cache by drafting it
 

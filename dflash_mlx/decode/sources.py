@@ -1,18 +1,18 @@
 """The draft source and verify width of each pass: {DFlash block, lookup continuation, none} x width.
 
 `width.WidthPolicy` chooses the width of DFlash passes by expected committed tokens per second. `SourceChoice`
-extends that choice to where the draft comes from. Before each pass the engine hands it the offers it has: a
-lookup continuation (`lookup.LookupIndex.propose`, tokens copied from the context) and, when there is a drafter,
-a DFlash block. For each source s and width w it estimates the rate E_s(w) / c_s(w) and takes the best:
+extends that choice to where the draft comes from; it is the estimator behind `planner.Planner` when prompt lookup
+is on. Before each pass the planner hands it the proposers' offers (`take`): a lookup continuation (copied from
+the context by `proposers.lookup.LookupProposer`) and, when there is a drafter, a DFlash block. For each source s and width w it estimates the rate E_s(w) / c_s(w) and takes the best:
 
 - E_s(w) = 1 + sum_{i<w} prod_{j<=i} a_j, from per-slot acceptance a_j (slot j accepted given 1..j-1 were). The
   DFlash source keeps `WidthPolicy`'s own estimates, unless per-slot probabilities are supplied for the pass
-  (`offer(..., dflash_rates=)`; a lookup `Offer.rates` likewise). A drafter's confidence head (DSpark's
+  (the drafting proposer's `Offer.rates`; a lookup `Offer.rates` likewise). A drafter's confidence head (DSpark's
   `DSparkWalk.confidence()`) is known only after its block is drafted, so it acts then instead: the DFlash width
-  policy cuts the drafted block on it (`WidthPolicy.truncate`, called from `engine.draft_block`).
+  policy cuts the drafted block on it (`WidthPolicy.truncate`, applied by the planner, `planner.Planner.cut`).
   Lookup keeps faded counts per match length (a short match is a guess, a long one usually a copy in progress),
   each shrunk toward the pooled lookup counts, those toward a prior that grows with the match length.
-- c_s(w): measured seconds per pass, from the time between the engine's syncs, per source (a lookup pass is a
+- c_s(w): measured seconds per pass, from the time between the loop's syncs, per source (a lookup pass is a
   verify pass without the drafter's forward, so it is cheaper than a DFlash pass of the same width). Plain decoding
   (w = 1) is one cost shared by both. Lookup widths not yet measured are taken as the nearest measured one (or
   plain decoding's), so they are tried.
@@ -22,8 +22,8 @@ length that failed is retried after a while rather than every pass. With no draf
 plain decoding. Every choice commits only the target's own tokens, so any sequence of choices is lossless.
 
 `SourceChoice` has the `width.Width` shape (`choose()`, `record(width, accepted, seconds)`), so the distributed
-layer's coordinator can wrap it like a width policy; the engine hands it the pass's offer first (`offer`) and reads
-the chosen source after (`source`).
+layer's coordinator can wrap it like a width policy; the planner hands it the pass's offers first (`take`) and
+reads the chosen source after (`source`, and `lookup_tokens` for a copy).
 """
 
 from __future__ import annotations

@@ -22,19 +22,19 @@ class AcceptanceStats:
     adaptive: bool = False
     sources: Dict[str, List[int]] = field(default_factory=dict)  # source -> [passes, tokens committed]
 
-    def record(self, accepted: int, block_size: int, source: Optional[str] = None) -> None:
+    def record(self, accepted: int, width: int, source: Optional[str] = None) -> None:
         """One verify pass; `source` is "dflash", "lookup" or "plain" (default: by its width)."""
-        source = source or ("dflash" if block_size > 1 else "plain")
+        source = source or ("dflash" if width > 1 else "plain")
         counts = self.sources.setdefault(source, [0, 0])
         counts[0] += 1
         counts[1] += accepted + 1
         length = accepted + 1
         self.cycles += 1
         self.committed += length
-        self.max_block = max(self.max_block, block_size)
+        self.max_block = max(self.max_block, width)
         self.histogram[length] = self.histogram.get(length, 0) + 1
-        self.widths[block_size] = self.widths.get(block_size, 0) + 1
-        if block_size > 1 and source == "dflash":  # the collapse watch judges the drafter alone
+        self.widths[width] = self.widths.get(width, 0) + 1
+        if width > 1 and source == "dflash":  # the collapse watch judges the drafter alone
             self.drafted_cycles += 1
             self.drafted_accepted += accepted
 

@@ -16,7 +16,7 @@ committed prefix, so the output is the target's alone whatever the proposer, wid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -26,7 +26,7 @@ from ..targets import TargetModel
 from .acceptance import Acceptor
 from .lookup import LookupIndex
 from .planner import Planner
-from .proposal import DFLASH, LOOKUP, PLAIN, Proposal
+from .proposal import LOOKUP, PLAIN, Proposal
 from .proposers import Proposer
 from .proposers.dflash import DFlashProposer
 from .proposers.lookup import LookupProposer
@@ -75,13 +75,21 @@ class Launch:
         return self.proposal.width
 
 
-def proposers_for(drafter, lookup: Optional[LookupIndex], mask_token_id: Optional[int] = None
-                  ) -> Dict[str, Proposer]:
-    """The proposers of a generation: plain decoding always, the drafter's blocks with a drafter, prompt lookup
-    with an index."""
+def drafting_proposer(drafter, proposer: Optional[Proposer] = None,
+                      mask_token_id: Optional[int] = None) -> Optional[Proposer]:
+    """The proposer that fills passes wider than 1 when lookup does not: the one given, else the drafter's
+    blocks (None: neither)."""
+    if proposer is not None:
+        return proposer
+    return DFlashProposer(drafter, mask_token_id) if drafter is not None else None
+
+
+def proposers_for(drafting: Optional[Proposer], lookup: Optional[LookupIndex]) -> Dict[str, Proposer]:
+    """The proposers of a generation by name: plain decoding always, the drafting proposer when there is one,
+    prompt lookup with an index."""
     proposers: Dict[str, Proposer] = {PLAIN: PlainProposer()}
-    if drafter is not None:
-        proposers[DFLASH] = DFlashProposer(drafter, mask_token_id)
+    if drafting is not None:
+        proposers[drafting.name] = drafting
     if lookup is not None:
         proposers[LOOKUP] = LookupProposer(lookup)
     return proposers
@@ -150,6 +158,7 @@ class Decoder:
             return Proposal.empty()
         with mx.stream(generation_stream):
             proposal = self.proposers[plan.source].propose(self.state, self.acceptor, plan.width, plan.offer)
+            proposal = replace(proposal, source=plan.source)  # labelled by the proposer the planner chose
             if proposal.confidence is not None and self.planner.cuts:
                 # One extra host sync, for drafters that estimate their own acceptance (a DSpark confidence head).
                 width = self.planner.cut(proposal.confidence.tolist(), proposal.width)
@@ -182,7 +191,7 @@ class Decoder:
         self.target.rollback(self.state.target_cache, width - keep)
         self.mark("rollback", [c.state for c in self.state.target_cache])
         launch.kept, launch.previous_token = keep, self.state.last_token
-        self._observe(tokens, launch.hidden[:, :keep] if self.drafter is not None else None)
+        self._observe(tokens, launch.hidden[:, :keep])  # lazy: computed only for a proposer that keeps it
         self.state.last_token = tokens[-1]
         self.emitted += keep
         self.passes += 1

@@ -117,7 +117,7 @@ class DFlashDrafter(nn.Module):
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.d2t = mx.zeros((config.draft_vocab_size,), dtype=mx.int32)
         self.binding: Optional[TargetBinding] = None
-        # How the weights are held, for `--verbose` (drafter_io.load_drafter says when it changed them).
+        # How the weights are held, for `--verbose` (`drafters.io.load_drafter` says when it changed them).
         self.weights_form = "as stored"
 
     @property

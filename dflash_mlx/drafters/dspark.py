@@ -1,6 +1,6 @@
 """The DSpark drafter family (DeepSeek DeepSpec): a DFlash-style block drafter whose slot i also looks at draft i-1.
 
-The backbone is the DFlash one (`drafter.DraftLayer`: Qwen3 layers attending from the block to the fused target
+The backbone is the DFlash one (`drafters.dflash.DraftLayer`: Qwen3 layers attending from the block to the fused target
 features of every committed token and to the block itself, bidirectionally), with the drafter's own embedding and
 LM head. On top of the parallel logits of each slot sits the sequential Markov head: slot i's logits get
 `markov_w2(markov_w1[token at slot i-1])` added (the anchor for slot 0), so the proposal is drawn slot by slot.

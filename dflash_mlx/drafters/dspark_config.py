@@ -73,7 +73,7 @@ class DSparkConfig(DFlashConfig):
     has_own_embed: bool = True  # False: the drafter embeds the block with the target's embedding
     has_own_lm_head: bool = True  # False: the drafter projects with the target's LM head
     attention_sink: bool = False  # a learned per-head logit in every attention softmax's denominator (Nemotron)
-    backbone: str = "qwen3"  # the draft layers: "qwen3" (drafter.DraftLayer) or "gemma4" (dspark_layers)
+    backbone: str = "qwen3"  # the draft layers: "qwen3" (drafters.dflash.DraftLayer) or "gemma4" (dspark_layers)
     attention_k_eq_v: bool = False  # Gemma-4: values are the (un-roped, weightless-normed) key projection
     packaging: str = "deepspec"  # where the checkpoint came from, for --verbose and errors
 

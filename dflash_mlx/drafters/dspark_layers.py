@@ -1,6 +1,6 @@
 """The Gemma-4 backbone of DSpark drafters (deepseek-ai/dspark_gemma4_*): its attention and decoder layer.
 
-Same job as `drafter.DraftLayer` (the block attends to the fused target context in a KV cache and to itself,
+Same job as `drafters.dflash.DraftLayer` (the block attends to the fused target context in a KV cache and to itself,
 bidirectionally), with the Gemma-4 layer's shape as DeepSpec trains it and mlx-dspark ports it:
 
 - attention at the global head dim with `num_global_key_value_heads`; with `attention_k_eq_v` there is no

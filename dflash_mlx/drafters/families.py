@@ -7,7 +7,7 @@ which parameters stay in float when the drafter is quantized (`keep_float`: smal
 rename a checkpoint's tensors to the drafter's parameter names (`rename`).
 
 `detect` asks the families in order; DFlash (the first generation) comes last and claims what no other family
-does. The loader (`drafter_io`) and the converter go through this table only, so a new family is one module
+does. The loader (`drafters.io`) and the converter go through this table only, so a new family is one module
 listed in `_FAMILY_MODULES` that defines `FAMILY`.
 """
 

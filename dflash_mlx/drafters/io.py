@@ -74,7 +74,7 @@ def resolve_checkpoint(path_or_repo: Union[str, Path], revision: Optional[str] =
 
 
 def read_config(path: Path) -> DFlashConfig:
-    """The normalized config of the drafter in `path`, of its family's config class (`drafter_families`)."""
+    """The normalized config of the drafter in `path`, of its family's config class (`drafters.families`)."""
     file = path / CONFIG_NAME
     raw = read_json(file, f"'{path}' has no {CONFIG_NAME}; pass a DFlash drafter directory or Hub repo id",
                     lambda e: f"cannot parse {file}: {e}; re-download or re-convert the drafter")

@@ -28,7 +28,7 @@ class _Position:
 
 
 class OracleDrafter:
-    """A `engine.Drafter` that knows the answer."""
+    """A drafter (`decode.proposers.dflash.Drafter`) that knows the answer."""
 
     def __init__(self, sequence: Sequence[int], vocab_size: int, block_size: int = 16, mask_token_id: int = 0):
         self.sequence: List[int] = [int(t) for t in sequence]

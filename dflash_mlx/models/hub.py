@@ -1,11 +1,11 @@
 """First use of a hub model: download with progress bars, convert the drafter once, reuse the cached copy.
 
-Converted drafters are cached under `offline_models.home()/drafters/<org>--<name>/<revision>`, keyed by the commit the
+Converted drafters are cached under `models.offline.home()/drafters/<org>--<name>/<revision>`, keyed by the commit the
 download resolved to, so a new upstream revision converts again and an old one is never served by mistake.
 Offline, the newest cached conversion is used; with nothing cached the user gets one line saying so.
 `fetch_target` does the same for a target repo (mlx-lm's file patterns), so an unreachable hub is named as such.
 
-The top of the drafter stack: `drafter_io` (files) < `convert.drafter` (conversion) < this module (download and
+The top of the drafter stack: `drafters.io` (files) < `convert.drafter` (conversion) < this module (download and
 cache). `open_drafter` is the one entry that loads a drafter from a directory or a repo id.
 """
 
@@ -64,7 +64,7 @@ def cached_drafter(repo: str, revision: Optional[str] = None) -> Path:
 def open_drafter(ref: str, revision: Optional[str] = None, *, fastest: bool = False) -> DFlashDrafter:
     """A ready drafter from a converted or z-lab directory, or a hub repo id (converted once into the cache).
 
-    `fastest` as in `drafter_io.load_drafter`. The same as `loading.load` does with `drafter_location`.
+    `fastest` as in `drafters.io.load_drafter`. The same as `loading.load` does with `drafter_location`.
     """
     source = cached_drafter(ref, revision) if is_repo_id(ref) else ref
     return load_drafter(source, revision=revision, fastest=fastest)

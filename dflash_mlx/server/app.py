@@ -103,7 +103,7 @@ class Server:
             store = PrefixStore(prepare_folder(settings.prompt_cache_dir),
                                 fingerprint(model, drafter_model(drafter)[0]),
                                 settings.prompt_cache_dir_bytes)
-        self.generator = Generator(model, self.tokenizer, drafter, block_size=settings.block_size,
+        self.generator = Generator(model, self.tokenizer, drafter, width=settings.block_size,
                                    prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,
                                    store=store)
         self.metrics = Metrics()
@@ -331,8 +331,8 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         return {"id": name, "object": "model", "created": server.created, "owned_by": "dflash-mlx",
                 "context_length": server.context_length,
                 "dflash": {"drafter": settings.drafter_name,
-                           "block_size": gen.block_size or (gen.drafter.block_size if gen.drafter else 1),
-                           "adaptive_width": (gen.drafter is not None or gen.lookup_only) and gen.block_size is None}}
+                           "block_size": gen.width or (gen.drafter.block_size if gen.drafter else 1),
+                           "adaptive_width": (gen.drafter is not None or gen.lookup_only) and gen.width is None}}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():

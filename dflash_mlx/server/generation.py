@@ -105,7 +105,7 @@ def _dflash_stats(stats: AcceptanceStats, widths: Dict[int, int], drafted: int, 
 class Generator:
     """One loaded target/drafter pair, its tokenizer and the prefix cache."""
 
-    def __init__(self, model, tokenizer, drafter, *, block_size: Optional[int] = None,
+    def __init__(self, model, tokenizer, drafter, *, width: Optional[int] = None,
                  prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1,
                  store: Optional[PrefixStore] = None):
         # `--draft lookup`: no drafter; every pass may copy from the context (the prompt, cached prefixes).
@@ -113,7 +113,7 @@ class Generator:
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.block_size = block_size
+        self.width = width  # a fixed verify width (None: chosen each pass)
         self.prefill_step_size = prefill_step_size
         self.target = prepare(model, drafter)
         # Up to `max_batch` runs share each verify pass (the worker interleaves them); 1: one run at a time.
@@ -136,8 +136,8 @@ class Generator:
     @property
     def plain(self) -> bool:
         if self.drafter is None:
-            return not self.lookup_only or self.block_size is not None
-        return (self.block_size or self.drafter.block_size) <= 1
+            return not self.lookup_only or self.width is not None
+        return (self.width or self.drafter.block_size) <= 1
 
     def _restore(self, hit: Hit) -> DecodeState:
         if hit.snapshot is None:
@@ -213,7 +213,7 @@ class Generator:
             position += step
             yield PrefillProgress(position, n)
 
-        options = dict(tokenizer=self.tokenizer, max_tokens=req.max_tokens, width=self.block_size, state=state,
+        options = dict(tokenizer=self.tokenizer, max_tokens=req.max_tokens, width=self.width, state=state,
                        history=prompt[:position], tokenizer_lock=self.tokenizer_lock,
                        prefill_step_size=self.prefill_step_size, **req.sampling)
         if self.lookup_only:

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from ..errors import DFlashError
+from ..errors import exit_code
 from ..train.data import eos_id, prompt_chats, write_answers
 from .target import load_torch_target, pick_device
 
@@ -52,19 +52,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--minutes", type=float, default=None, help="stop starting new batches after this long")
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    try:
-        device = pick_device(args.device)
-        target = load_torch_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-        tok = target.tokenizer
-        chats = prompt_chats(tok, args.prompts)
-        chats.sort(key=lambda c: len(c[1].prompt))  # similar lengths together: less padding
-        write_answers(chats, lambda docs: answer_batch(target, [d.prompt for d in docs], args.max_tokens),
-                      tok.decode, args.out, batch=args.batch, minutes=args.minutes,
-                      log=lambda line: print(line, flush=True))
-        return 0
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: _answer(args))
+
+
+def _answer(args) -> int:
+    device = pick_device(args.device)
+    target = load_torch_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tok = target.tokenizer
+    chats = prompt_chats(tok, args.prompts)
+    chats.sort(key=lambda c: len(c[1].prompt))  # similar lengths together: less padding
+    write_answers(chats, lambda docs: answer_batch(target, [d.prompt for d in docs], args.max_tokens),
+                  tok.decode, args.out, batch=args.batch, minutes=args.minutes,
+                  log=lambda line: print(line, flush=True))
+    return 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from ..errors import DFlashError
+from ..errors import DFlashError, exit_code
 from ..train.data import eos_id, prepare_data
 from ..train.recipe import (block_labels, choose_mask_token, default_taps, draw_blocks, drafter_config, slot_weights,
                                 step_flops)
@@ -272,64 +272,60 @@ class Run:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    return exit_code(lambda: _train(args, lambda line: print(line, flush=True)))
 
-    def log(line: str) -> None:
-        print(line, flush=True)
 
-    try:
-        # Checked before anything is loaded; --out is made once the run has started (a failed start leaves none).
-        if args.out.exists() and not args.out.is_dir():
-            raise DFlashError(f"--out '{args.out}' is a file; pass a folder for the run")
-        if not args.resume and (args.out / STATE_NAME).exists():
-            raise DFlashError(f"'{args.out}' holds a run already; pass --resume to continue it or another --out")
-        if args.resume and not (args.out / STATE_NAME).is_file():
-            raise DFlashError(f"nothing to resume: '{args.out / STATE_NAME}' does not exist")
-        run = Run(args, log)
-        log(f"device: {describe(run.device)}; drafter {run.config.num_hidden_layers} layers, taps "
-            f"{run.config.target_layer_ids}, mask {run.config.mask_token_id}, vocab "
-            f"{run.config.draft_vocab_size or run.config.vocab_size}, "
-            f"{sum(p.numel() for p in run.model.parameters() if p.requires_grad) / 1e6:.1f} M trained parameters")
-        if args.resume:
-            run.restore()
-            log(f"resumed at step {run.step} of {run.steps}")
-        elif args.steps is None:
-            run.steps = run.calibrate(args.minutes)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "train_args.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
-                                                             for k, v in vars(args).items()}, indent=1) + "\n")
-        flops = step_flops(run.config, args.rows, args.anchors, args.seq_len) * args.accum
-        deadline = time.perf_counter() + 60 * args.minutes * 1.05 if args.minutes else None
-        history = open(args.out / "log.jsonl", "a")
-        tic = time.perf_counter()
-        while run.step < run.steps:
-            t0 = time.perf_counter()
-            stats = run.train_step()
-            run.elapsed += time.perf_counter() - t0
-            run.flops += flops
-            done = run.step == run.steps or (deadline is not None and time.perf_counter() > deadline)
-            if run.step % 10 == 0 or done:
-                rate = run.slots / max(run.elapsed, 1e-9)
-                log(f"step {run.step}/{run.steps} loss {stats['loss']:.3f} acc1 {stats['acc1']:.3f} "
-                    f"tau {stats['tau']:.2f} lr {stats['lr']:.2e} | {rate:.0f} slots/s, "
-                    f"{run.flops / max(run.elapsed, 1e-9) / 1e12:.2f} TFLOP/s")
-                history.write(json.dumps(dict(stats, slots=run.slots, flops=run.flops, seconds=run.elapsed)) + "\n")
-            if (args.eval_every and run.step % args.eval_every == 0) or done:
-                ev = run.evaluate()
-                if ev:
-                    log(f"held-out rows: loss {ev['eval_loss']:.3f} acc1 {ev['eval_acc1']:.3f} "
-                        f"block tau {ev['eval_tau']:.2f}")
-                    history.write(json.dumps(dict(ev, slots=run.slots, flops=run.flops)) + "\n")
-            if (args.checkpoint_every and run.step % args.checkpoint_every == 0) or done:
-                run.save()
-            history.flush()
-            if done:
-                break
-        log(f"done: {run.step} steps, {run.slots} predicted slots, {run.flops:.3g} training FLOPs, "
-            f"{time.perf_counter() - tic:.0f} s; drafter in {args.out}")
-        return 0
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _train(args, log) -> int:
+    # Checked before anything is loaded; --out is made once the run has started (a failed start leaves none).
+    if args.out.exists() and not args.out.is_dir():
+        raise DFlashError(f"--out '{args.out}' is a file; pass a folder for the run")
+    if not args.resume and (args.out / STATE_NAME).exists():
+        raise DFlashError(f"'{args.out}' holds a run already; pass --resume to continue it or another --out")
+    if args.resume and not (args.out / STATE_NAME).is_file():
+        raise DFlashError(f"nothing to resume: '{args.out / STATE_NAME}' does not exist")
+    run = Run(args, log)
+    log(f"device: {describe(run.device)}; drafter {run.config.num_hidden_layers} layers, taps "
+        f"{run.config.target_layer_ids}, mask {run.config.mask_token_id}, vocab "
+        f"{run.config.draft_vocab_size or run.config.vocab_size}, "
+        f"{sum(p.numel() for p in run.model.parameters() if p.requires_grad) / 1e6:.1f} M trained parameters")
+    if args.resume:
+        run.restore()
+        log(f"resumed at step {run.step} of {run.steps}")
+    elif args.steps is None:
+        run.steps = run.calibrate(args.minutes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train_args.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
+                                                         for k, v in vars(args).items()}, indent=1) + "\n")
+    flops = step_flops(run.config, args.rows, args.anchors, args.seq_len) * args.accum
+    deadline = time.perf_counter() + 60 * args.minutes * 1.05 if args.minutes else None
+    history = open(args.out / "log.jsonl", "a")
+    tic = time.perf_counter()
+    while run.step < run.steps:
+        t0 = time.perf_counter()
+        stats = run.train_step()
+        run.elapsed += time.perf_counter() - t0
+        run.flops += flops
+        done = run.step == run.steps or (deadline is not None and time.perf_counter() > deadline)
+        if run.step % 10 == 0 or done:
+            rate = run.slots / max(run.elapsed, 1e-9)
+            log(f"step {run.step}/{run.steps} loss {stats['loss']:.3f} acc1 {stats['acc1']:.3f} "
+                f"tau {stats['tau']:.2f} lr {stats['lr']:.2e} | {rate:.0f} slots/s, "
+                f"{run.flops / max(run.elapsed, 1e-9) / 1e12:.2f} TFLOP/s")
+            history.write(json.dumps(dict(stats, slots=run.slots, flops=run.flops, seconds=run.elapsed)) + "\n")
+        if (args.eval_every and run.step % args.eval_every == 0) or done:
+            ev = run.evaluate()
+            if ev:
+                log(f"held-out rows: loss {ev['eval_loss']:.3f} acc1 {ev['eval_acc1']:.3f} "
+                    f"block tau {ev['eval_tau']:.2f}")
+                history.write(json.dumps(dict(ev, slots=run.slots, flops=run.flops)) + "\n")
+        if (args.checkpoint_every and run.step % args.checkpoint_every == 0) or done:
+            run.save()
+        history.flush()
+        if done:
+            break
+    log(f"done: {run.step} steps, {run.slots} predicted slots, {run.flops:.3g} training FLOPs, "
+        f"{time.perf_counter() - tic:.0f} s; drafter in {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

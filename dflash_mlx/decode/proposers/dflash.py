@@ -53,6 +53,10 @@ class DFlashProposer:
         self.mask_token_id = drafter.mask_token_id if mask_token_id is None else mask_token_id
         self._draw = self._family_draw(drafter)
 
+    @property
+    def widest(self) -> int:
+        return self.drafter.block_size
+
     def check_mask(self) -> None:
         if self.mask_token_id is None:
             raise DFlashError("the drafter config has no mask_token_id; set it in the drafter's config.json")
@@ -85,7 +89,7 @@ class DFlashProposer:
         flushed = state.flush_context(self.drafter)
         block_ids = mx.array([[state.last_token] + [self.mask_token_id] * (width - 1)], dtype=mx.int32)
         proposal = self._draw(block_ids, state.draft_cache, acceptor, state.last_token)
-        return replace(proposal, source=DFLASH, flushed=flushed)
+        return replace(proposal, flushed=flushed)
 
     def observe(self, state: DecodeState, tokens: Sequence[int], features: Optional[mx.array]) -> None:
         state.add_context(features)

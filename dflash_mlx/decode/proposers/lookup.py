@@ -8,7 +8,6 @@ treats them as a point-mass proposal, which keeps sampling exact.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -22,6 +21,8 @@ from ..state import DecodeState
 class LookupProposer:
     name = LOOKUP
 
+    widest = 1 << 30  # as long as the copy found; the planner bounds it (`Planner.widest`)
+
     def __init__(self, index: LookupIndex):
         self.index = index
 
@@ -33,7 +34,7 @@ class LookupProposer:
 
     def propose(self, state: DecodeState, acceptor: Acceptor, width: int, offer: Optional[Offer]) -> Proposal:
         copied = offer.tokens[: width - 1]
-        return replace(acceptor.propose_tokens(mx.array(copied, dtype=mx.int32)), source=LOOKUP)
+        return acceptor.propose_tokens(mx.array(copied, dtype=mx.int32))
 
     def observe(self, state: DecodeState, tokens: Sequence[int], features: Optional[mx.array]) -> None:
         self.index.extend(tokens)

@@ -13,6 +13,7 @@ from ..state import DecodeState
 
 class PlainProposer:
     name = PLAIN
+    widest = 1
 
     def offer(self, state: DecodeState, widest: int) -> Optional[Offer]:
         return None  # nothing to weigh: the planner always has width 1
