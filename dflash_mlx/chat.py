@@ -24,9 +24,9 @@ from typing import Callable, Dict, Iterator, List, Optional
 from . import console
 from .decode.lookup import drafter_model
 from .decode.state import DecodeState
+from .decode.stats import AcceptanceStats
 from .errors import DFlashError
 from .io_safety import write_text_atomic
-from .decode.stats import AcceptanceStats
 
 HELP = """commands:
   /reset           forget the conversation (keeps the system prompt)

@@ -15,9 +15,9 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
+from ..decode.sampling import check_seed
 from ..distributed import bench as ranks
 from ..errors import DFlashError
-from ..decode.sampling import check_seed
 from ..models.loading import load_target, prepare, resolve_target, shipped_drafter_for
 from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, draft_costs, verify_costs
 from .prompts import encode_prompt, load_prompts

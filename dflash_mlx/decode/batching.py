@@ -38,8 +38,8 @@ from .generation import Generation
 from .lookup import LookupIndex
 from .loop import engine_planner
 from .planner import Planner
-from .state import DecodeState
 from .proposers import Proposer
+from .state import DecodeState
 from .step import Decoder, Launch, Pass, drafting_proposer, proposers_for
 from .width import Width, WidthPolicy, coordinate
 

@@ -21,8 +21,8 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
-from ..errors import DFlashError
 from ..decode.width import install_coordinator
+from ..errors import DFlashError
 
 # Seconds to wait for the other ranks to connect; a launcher starts them within a second or two of each other.
 DEFAULT_TIMEOUT = 60.0

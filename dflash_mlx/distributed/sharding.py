@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import DFlashError
+from ..models.loading import check_family
 from ..refs import is_repo_id
 from ..targets.adapter import model_type_of
-from ..models.loading import check_family
 from ..targets.families import text_lm
 from .group import barrier, rank0_first, setup
 from .pipeline import FeatureExchange, make_target

@@ -16,9 +16,9 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache
 
-from .config import DFlashConfig
 from ..errors import DFlashError
 from ..metal.block_attention import block_attention
+from .config import DFlashConfig
 
 
 def _qwen3_args(config: DFlashConfig) -> qwen3.ModelArgs:

@@ -27,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from ..errors import DFlashError
 from .config import DFlashConfig
 from .dflash import DFlashDrafter, DraftLayer
 from .families import DrafterFamily
-from ..errors import DFlashError
 
 ARCHITECTURE = "DFlash2DraftModel"
 # The `dflash_config` keys DFlash 2 adds; any of them marks a config as DFlash 2.

@@ -24,11 +24,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..errors import DFlashError
 from .dflash import DFlashDrafter, DraftAttention
-from .families import DrafterFamily
 from .dspark_config import DSparkConfig, is_dspark
 from .dspark_layers import Gemma4DraftLayer
-from ..errors import DFlashError
+from .families import DrafterFamily
 
 
 class SinkDraftAttention(DraftAttention):

@@ -43,8 +43,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from .config import DFlashConfig
 from ..errors import DFlashError
+from .config import DFlashConfig
 
 MODEL_TYPE = "dspark"  # the model_type our converter writes
 

@@ -19,8 +19,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .dspark_config import DSparkConfig
 from ..metal.block_attention import block_attention
+from .dspark_config import DSparkConfig
 
 
 class Gemma4DraftAttention(nn.Module):

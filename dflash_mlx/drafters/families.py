@@ -19,9 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import mlx.core as mx
 
+from ..errors import DFlashError
 from .config import DFlashConfig
 from .dflash import DFlashDrafter
-from ..errors import DFlashError
 
 
 @dataclass(frozen=True)

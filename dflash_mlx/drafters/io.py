@@ -24,13 +24,13 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from .config import DFlashConfig
-from .dflash import DFlashDrafter
-from .families import DrafterFamily, detect, family_of, marked_by
 from ..dtypes import mx_dtype
 from ..errors import DFlashError
 from ..refs import is_repo_id
 from ..validate import check_safetensors, hub_failure, read_json
+from .config import DFlashConfig
+from .dflash import DFlashDrafter
+from .families import DrafterFamily, detect, family_of, marked_by
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -18,9 +18,9 @@ from ..convert.drafter import convert_drafter
 from ..drafters.dflash import DFlashDrafter
 from ..drafters.io import load_drafter
 from ..errors import DFlashError
-from .offline import home
 from ..refs import is_repo_id
 from ..validate import hub_failure
+from .offline import home
 
 __all__ = ["cached_drafter", "fetch_target", "hub_failure", "is_repo_id", "open_drafter"]
 

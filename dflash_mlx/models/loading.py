@@ -26,11 +26,12 @@ from ..dtypes import dtype_name  # noqa: F401  (re-exported: commands import it 
 from ..decode.lookup import LOOKUP_ONLY
 from ..errors import DFlashError
 from ..refs import is_repo_id
-from .hub import hub_failure
-from .pairing import check_pair
 from ..targets import TargetModel, build_target, supported_model_types
 from ..targets.families import family_for
 from ..validate import check_model_dir
+from .hub import hub_failure
+from .pairing import check_pair
+
 
 def check_family(local: Path, shown: str, unreadable: str = "has an unreadable config.json") -> None:
     """Refuse an unsupported architecture before reading gigabytes of weights (`shown`: the target as the user

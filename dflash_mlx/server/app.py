@@ -24,10 +24,10 @@ from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..decode.lookup import drafter_model
-from ..errors import DFlashError
-from ..decode.sampling import SamplingParams
 from . import anthropic_format, errors, prompts, responses_format
+from ..decode.lookup import drafter_model
+from ..decode.sampling import SamplingParams
+from ..errors import DFlashError
 from .errors import APIError, ContextTooLong
 from .generation import GenerationRequest, Generator, Outcome
 from .memory import MemoryKeeper

@@ -19,11 +19,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 import mlx.core as mx
 
 from ..decode.batching import Batch, BatchedGeneration
-from ..decode.state import DecodeState, prefill
 from ..decode.generation import Generation
 from ..decode.lookup import drafter_model
-from ..models.loading import prepare
+from ..decode.state import DecodeState, prefill
 from ..decode.stats import AcceptanceStats
+from ..models.loading import prepare
 from ..targets.caches import can_trim
 from .prefix_cache import Hit, PrefixCache, Snapshot
 from .prefix_store import PrefixStore

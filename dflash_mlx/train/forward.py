@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..drafters.dflash import DFlashDrafter, DraftAttention
 from . import fastmath
+from ..drafters.dflash import DFlashDrafter, DraftAttention
 from .masks import band_limits, context_mask, slot_mask
 
 
