@@ -128,9 +128,9 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
     if isinstance(drafter, str):
-        drafter, lookup_only = drafter_model(drafter)
+        named, (drafter, lookup_only) = drafter, drafter_model(drafter)
         if not lookup_only:
-            raise DFlashError(f"drafter={drafter!r}: give a loaded drafter (see load), None, or {LOOKUP_ONLY!r}")
+            raise DFlashError(f"drafter={named!r}: give a loaded drafter (see load), None, or {LOOKUP_ONLY!r}")
         lookup = lookup is not False
     generation = Generation(prepare(model, drafter), drafter, ids, tokenizer=tokenizer, max_tokens=max_tokens,
                             width=width, planner=planner, acceptor=acceptor, state=state,

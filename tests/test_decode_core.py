@@ -141,3 +141,41 @@ def test_renamed_arguments_keep_their_old_names_with_a_warning(pair):
         old = Generation(target, drafter, [1, 2, 3], max_tokens=8, width_policy=WidthPolicy(4))
     plain = Generation(target, drafter, [1, 2, 3], max_tokens=8, width=1)
     assert [t for p in old for t in p.tokens] == [t for p in plain for t in p.tokens]
+
+
+def test_a_fixed_width_wins_over_a_planner_and_a_policy_is_a_planner_argument():
+    from dflash_mlx.decode.loop import dflash_generate_step
+    from dflash_mlx.decode.width import WidthPolicy
+
+    model = tiny.target("qwen3")
+    drafter, t = tiny.make_drafter(model, block_size=4)
+    prompt = tiny.prompt_ids(8, seed=2)
+    expected = tiny.reference("qwen3", prompt, 16)
+    fixed = list(Generation(t, drafter, prompt, max_tokens=16, width=2, planner=WidthPolicy(4)))
+    assert {p.width for p in fixed[1:]} <= {1, 2} and [x for p in fixed for x in p.tokens] == expected
+    policy = WidthPolicy(4)
+    passes = list(dflash_generate_step(mx.array(prompt, dtype=mx.int32), t, drafter, max_tokens=16, planner=policy))
+    assert [x for p in passes for x in p.tokens] == expected and policy.cycles == len(passes) - 1
+
+
+def test_a_drafter_without_mask_id_is_refused_before_anything_runs_and_only_for_its_own_request():
+    from dflash_mlx.decode.loop import dflash_generate_step
+    from dflash_mlx.errors import DFlashError
+
+    model = tiny.target("qwen3")
+    drafter, t = tiny.make_drafter(model, block_size=4)
+    drafter.config.mask_token_id = None  # as a config.json without one reads
+    steps = dflash_generate_step(mx.array(tiny.prompt_ids(6), dtype=mx.int32), t, drafter, max_tokens=8)
+    with pytest.raises(DFlashError, match="mask_token_id"):
+        next(steps)  # not even the prefill's token
+    plain = list(dflash_generate_step(mx.array(tiny.prompt_ids(6), dtype=mx.int32), t, drafter, max_tokens=8,
+                                      width=1))
+    assert [x for p in plain for x in p.tokens] == tiny.reference("qwen3", tiny.prompt_ids(6), 8)
+    batch = Batch(t, drafter)
+    good = BatchedGeneration(batch, tiny.prompt_ids(7, seed=1), max_tokens=10, width=3, mask_token_id=tiny.VOCAB - 1)
+    bad = BatchedGeneration(batch, tiny.prompt_ids(5, seed=2), max_tokens=10, width=3)
+    first = next(iter(good))
+    with pytest.raises(DFlashError, match="mask_token_id"):
+        next(iter(bad))
+    rest = [x for p in good for x in p.tokens]
+    assert first.tokens + rest == tiny.reference("qwen3", tiny.prompt_ids(7, seed=1), 10)

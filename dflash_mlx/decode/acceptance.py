@@ -56,7 +56,7 @@ def _walk(walk: DraftWalk, anchor, choose: Callable[[int, mx.array, mx.array], m
 
 
 class Acceptor(Protocol):
-    """The acceptance rule the engine runs; see the protocol in the module docstring."""
+    """The acceptance rule the pass step runs; see the protocol in the module docstring."""
 
     def observe(self, tokens) -> None: ...
 

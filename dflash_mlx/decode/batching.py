@@ -36,11 +36,10 @@ from ..targets.ragged import ragged_forward
 from .acceptance import Acceptor, GreedyAcceptor
 from .generation import Generation
 from .lookup import LookupIndex
-from .loop import engine_planner
-from .planner import Planner
+from .planner import Planner, planner_for
 from .proposers import Proposer
 from .state import DecodeState
-from .step import Decoder, Launch, Pass, drafting_proposer, proposers_for
+from .step import CLEAR_CACHE_EVERY, Decoder, Launch, Pass, check_ready, drafting_proposer, proposers_for
 from .width import Width, WidthPolicy, coordinate
 
 
@@ -102,14 +101,17 @@ class Batch:
                       prefill_progress: Optional[Callable[[int, int], None]] = None,
                       lookup: Optional[LookupIndex] = None, block_size: Optional[int] = None,
                       proposer: Optional[Proposer] = None) -> Generator[Pass, None, None]:
-        """`loop.dflash_generate_step` for a member of this batch (same arguments and passes)."""
+        """`loop.dflash_generate_step` for a member of this batch: the same passes, and the same arguments but
+        for the deprecated `sources=` (a planner carries its choice) and the profiler (one pass is many
+        generations' work)."""
         target, drafter = self.target, self.drafter
         drafting = drafting_proposer(drafter, proposer, mask_token_id)
-        planner = engine_planner(drafting, width=width, planner=planner, block_size=block_size)
+        planner = planner_for(drafting, width=width, planner=planner, block_size=block_size)
+        check_ready(drafting, planner)
         state = state or DecodeState.fresh(target, drafter)
         index = lookup if planner.choice is not None else None
-        decoder = Decoder(target, drafter, proposers_for(drafting, index), planner,
-                          acceptor or GreedyAcceptor(), state, max_tokens=max_tokens, stops=stop_tokens)
+        decoder = Decoder(target, drafter, proposers_for(drafting, index), planner, acceptor or GreedyAcceptor(),
+                          state, max_tokens=max_tokens, stops=stop_tokens, clears_cache=False)
         # The prefill runs alone (between two passes of the others).
         yield decoder.start(prompt, prefill_step_size, prefill_progress)
         if not decoder.wants:
@@ -158,6 +160,8 @@ class Batch:
             raise
         self.passes += 1
         self.sizes[len(members)] = self.sizes.get(len(members), 0) + 1
+        if self.passes % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
 
 
 class BatchedGeneration(Generation):

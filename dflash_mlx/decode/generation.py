@@ -95,7 +95,9 @@ class Generation:
         self.adaptive = (drafting or use_lookup) and width is None
         # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
         reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
-        if planner is not None and not isinstance(planner, Planner):
+        if width is not None:
+            planner = None  # a fixed width wins over any planner
+        elif planner is not None and not isinstance(planner, Planner):
             planner = build_planner(drafting=self.proposer, policy=planner)
         self.planner: Planner = planner or build_planner(
             drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
@@ -209,7 +211,7 @@ class Generation:
 
 def _lookup_index(state: Optional[DecodeState], history: Optional[Sequence[int]]) -> LookupIndex:
     """The conversation's lookup index: the one a continued `state` carries (a chat's earlier turns), else one built
-    from `history` (a server's cached prefix); the engine extends it with the prompt and the committed tokens."""
+    from `history` (a server's cached prefix); the loop extends it with the prompt and the committed tokens."""
     index = state.extra.get("lookup") if state is not None else None
     if index is None or (history is not None and len(history) and len(index) != len(history)):
         index = LookupIndex()

@@ -18,56 +18,22 @@ the acceptance seen so far (or `width=N` fixes the width). Any sequence of choic
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable, Generator, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from ..errors import DFlashError
 from ..targets import TargetModel
 from .acceptance import Acceptor, GreedyAcceptor
 from .lookup import LookupIndex
-from .planner import Planner, build_planner
-from .proposal import DFLASH
+from .planner import Planner, planner_for
 from .proposers import Proposer
 from .proposers.dflash import Drafter
 from .sources import SourceChoice
 from .state import DecodeState
-from .step import Decoder, Launch, Pass, drafting_proposer, proposers_for
-from .width import WidthPolicy
+from .step import Decoder, Launch, Pass, check_ready, drafting_proposer, proposers_for
 
 Cycle = Pass  # deprecated name of the per-pass result
-
-
-def engine_planner(drafting: Optional[Proposer], *, width=None, planner: Optional[Planner] = None,
-                   block_size: Optional[int] = None, sources: Optional[SourceChoice] = None,
-                   lookup: Optional[LookupIndex] = None) -> Planner:
-    """The planner for the loop's arguments (`drafting`: the proposer of passes wider than 1, or None), the
-    deprecated ones included: `block_size=N` (now `width=N`), a width policy object as `width=` (now
-    `planner=`), a `sources` choice with its `lookup` index."""
-    if block_size is not None:
-        warnings.warn("block_size= is deprecated: the verify width is width=N", DeprecationWarning, stacklevel=3)
-    policy = None
-    if width is not None and not isinstance(width, int):
-        policy, width = width, None
-    if planner is not None and not isinstance(planner, Planner):
-        policy, planner = planner, None  # a width policy object: plan with it
-    if planner is not None:
-        return planner
-    if sources is not None:
-        if lookup is None:
-            raise DFlashError("a draft-source choice needs a lookup index")
-        if block_size is None and width is None:
-            paced = policy or sources
-            cut_by = paced.dflash if isinstance(paced, SourceChoice) else paced
-            cutter = cut_by if isinstance(cut_by, WidthPolicy) else None
-            return Planner(paced, choice=sources, cutter=cutter, drafting=drafting is not None,
-                           source=drafting.name if drafting is not None else DFLASH)
-    fixed = block_size if block_size is not None else width
-    if fixed is None and policy is None:
-        fixed = drafting.widest if drafting is not None else 1
-    return build_planner(drafting=drafting, width=fixed, policy=policy)
 
 
 def dflash_generate_step(
@@ -117,11 +83,11 @@ def dflash_generate_step(
         Pass: the tokens each verify pass commits, in order.
     """
     drafting = drafting_proposer(drafter, proposer, mask_token_id)
-    plan = engine_planner(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
-                          lookup=lookup)
-    index = lookup if (sources is not None or (planner is not None and planner.choice is not None)) else None
+    plan = planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
+                       lookup=lookup)
+    check_ready(drafting, plan)
     state = state or DecodeState.fresh(target, drafter)
-    decoder = Decoder(target, drafter, proposers_for(drafting, index), plan,
+    decoder = Decoder(target, drafter, proposers_for(drafting, lookup if plan.choice is not None else None), plan,
                       acceptor or GreedyAcceptor(), state, max_tokens=max_tokens, stops=stop_tokens,
                       mark=profiler.mark if profiler is not None else None)
     yield decoder.start(prompt, prefill_step_size, prefill_progress)

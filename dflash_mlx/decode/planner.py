@@ -1,6 +1,6 @@
 """The planner: before each pass, which proposer drafts and how wide the pass is; after it, what it cost.
 
-The loop asks one object one question per pass (`Planner.plan(offers)`) and reports one answer
+The loop asks one object one question per pass (`Planner.plan(offers, room)`) and reports one answer
 (`Planner.record`). Behind it sit the estimators that make the choice:
 - `width.WidthPolicy` (the drafter's widths: measured seconds per width, running per-slot acceptance), a
   `width.FixedWidth` (`width=N`), or any object of the `width.Width` shape (a rank coordinator's wrapper, a test's
@@ -18,6 +18,7 @@ alone gets machine-independent costs (`width.nominal_cost`); then the installed 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
@@ -43,14 +44,14 @@ class Planner:
         widths: where pass widths come from (the source choice itself, possibly wrapped, when lookup is on).
         choice: the lookup-vs-drafter choice, when prompt lookup is on.
         cutter: the width policy that may cut a confident block short (None: never cut).
-        drafting: whether a proposer is there to fill widths above 1 without lookup.
-        source: that proposer's name (the DFlash drafter's by default).
+        drafting: whether a proposer may fill widths above 1 (a drafter, not held at width 1).
+        drafting_source: that proposer's name (the DFlash drafter's by default).
     """
 
     def __init__(self, widths: Width, *, choice: Optional[SourceChoice] = None,
-                 cutter: Optional[WidthPolicy] = None, drafting: bool = True, source: str = DFLASH):
+                 cutter: Optional[WidthPolicy] = None, drafting: bool = True, drafting_source: str = DFLASH):
         self.widths, self.choice, self.cutter, self.drafting = widths, choice, cutter, drafting
-        self.source = source
+        self.drafting_source = drafting_source
 
     def widest(self, source: str) -> int:
         """The widest pass this planner may choose for `source` (what a proposer is asked to offer)."""
@@ -59,18 +60,15 @@ class Planner:
     def plan(self, offers: Dict[str, Optional[Offer]], room: int) -> Plan:
         """The next pass, from the proposers' offers; `room` is the most tokens the generation may still commit."""
         if self.choice is not None:
-            self.choice.take(offers.get(LOOKUP), offers.get(self.source))
+            self.choice.take(offers.get(LOOKUP), offers.get(self.drafting_source))
         width = int(min(self.widths.choose(), room))
         if width <= 1:
             return Plan(PLAIN, 1)
-        if self.choice is not None:
-            source = self.choice.source
-            if source == LOOKUP:
-                copied = self.choice.lookup_tokens[: width - 1]
-                return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied))
-            # The choice calls the drafting proposer DFLASH; without one it never goes above width 1.
-            return Plan(self.source if source == DFLASH else source, width)
-        return Plan(self.source if self.drafting else PLAIN, width if self.drafting else 1)
+        if self.choice is not None and self.choice.source == LOOKUP:
+            copied = self.choice.lookup_tokens[: width - 1]
+            return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied))
+        # Any other pass wider than 1 is the drafting proposer's (the choice calls it DFLASH); without one, plain.
+        return Plan(self.drafting_source, width) if self.drafting else Plan(PLAIN, 1)
 
     @property
     def cuts(self) -> bool:
@@ -103,13 +101,13 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
     """
     source = drafting.name if drafting is not None else DFLASH
     if width is not None and drafting is not None and width < 1:
-        raise DFlashError(f"width must be >= 1, got {width}")
+        raise DFlashError(f"width must be >= 1 (1: plain decoding), got {width}")
     if width is not None or (drafting is None and not lookup):
-        return Planner(FixedWidth(width if width is not None and drafting is not None else 1),
-                       drafting=drafting is not None, source=source)
+        fixed = width if width is not None and drafting is not None else 1
+        return Planner(FixedWidth(fixed), drafting=fixed > 1, drafting_source=source)
     if policy is not None:
         return Planner(policy, cutter=policy if isinstance(policy, WidthPolicy) else None,
-                       drafting=drafting is not None, source=source)
+                       drafting=drafting is not None, drafting_source=source)
     cost = nominal_cost if reproducible else None
     widest = max_width or (drafting.widest if drafting is not None else None)
     pooled = (shared(widest) if shared is not None and source == DFLASH and not lookup and not reproducible
@@ -121,6 +119,36 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
         choice = SourceChoice(model, lookup_width, cost=cost)
         paced = coordinate(choice)
         return Planner(paced, choice=choice, cutter=model if paced is choice else None,
-                       drafting=drafting is not None, source=source)
+                       drafting=drafting is not None, drafting_source=source)
     paced = coordinate(model)
-    return Planner(paced, cutter=model if paced is model else None, source=source)
+    return Planner(paced, cutter=model if paced is model else None, drafting_source=source)
+
+
+def planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,
+                sources: Optional[SourceChoice] = None, lookup=None) -> Planner:
+    """The planner for the loop's and the batch's arguments (`drafting`: the proposer of passes wider than 1, or
+    None), the deprecated ones included: `block_size=N` (now `width=N`), a width policy object as `width=` (now
+    `planner=`), a `sources` choice with its `lookup` index. A fixed width wins over any planner or policy."""
+    if block_size is not None:
+        warnings.warn("block_size= is deprecated: the verify width is width=N", DeprecationWarning, stacklevel=3)
+    policy = None
+    if width is not None and not isinstance(width, int):
+        policy, width = width, None
+    if planner is not None and not isinstance(planner, Planner):
+        policy, planner = planner, None  # a width policy object: plan with it
+    fixed = block_size if block_size is not None else width
+    if fixed is not None:
+        return build_planner(drafting=drafting, width=fixed)
+    if planner is not None:
+        return planner
+    if sources is not None:
+        if lookup is None:
+            raise DFlashError("a draft-source choice needs a lookup index")
+        paced = policy or sources
+        cut_by = paced.dflash if isinstance(paced, SourceChoice) else paced
+        cutter = cut_by if isinstance(cut_by, WidthPolicy) else None
+        return Planner(paced, choice=sources, cutter=cutter, drafting=drafting is not None,
+                       drafting_source=drafting.name if drafting is not None else DFLASH)
+    if policy is not None:
+        return build_planner(drafting=drafting, policy=policy)
+    return build_planner(drafting=drafting, width=drafting.widest if drafting is not None else 1)

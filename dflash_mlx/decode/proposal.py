@@ -1,9 +1,7 @@
 """An offer and a proposal: what a proposer could draft before a pass, and the drafts the pass verifies, handed as
 a value from the proposer through the acceptor to the verify.
 
-A proposal: the drafts one pass verifies, handed as a value from a proposer through the acceptor to the verify.
-
-`tokens` are the drafts (block slots 1..n; slot 0 is the last committed token). `logq` holds, when the acceptor
+A proposal's `tokens` are the drafts (block slots 1..n; slot 0 is the last committed token). `logq` holds, when the acceptor
 samples, the log proposal distribution each draft was drawn from (row i for draft i), exactly what rejection
 sampling divides by; `point_mass` says the drafts were fixed in advance (copied from the context), so q is a
 one-hot on each and the acceptor builds those rows once it knows the vocabulary. Greedy acceptance reads the tokens
@@ -38,7 +36,7 @@ class Proposal:
     tokens: mx.array  # [n] draft tokens (lazy)
     logq: Optional[mx.array] = None  # [n, V] log q of each draft's row (sampling acceptors only)
     point_mass: bool = False  # drafts fixed in advance: q is one-hot on each
-    source: str = DFLASH  # the proposer that made it (the pass step labels it)
+    source: str = PLAIN  # the proposer that made it (the pass step labels it with the planner's choice)
     confidence: Optional[mx.array] = None  # [n] per-slot acceptance estimates (a confidence head)
     flushed: Optional[mx.array] = None  # [1, S, n*H] features moved into the draft cache by drafting it
 

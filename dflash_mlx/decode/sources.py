@@ -34,8 +34,6 @@ from .lookup import LookupDraft
 from .proposal import DFLASH, LOOKUP, PLAIN, Offer
 from .width import WidthPolicy, expected_tokens
 
-SOURCES = (DFLASH, LOOKUP, PLAIN)
-
 # Match lengths are pooled into these buckets (a bucket is the largest bound <= the match length).
 MATCH_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -130,7 +128,7 @@ class SourceChoice:
                 best = (rate, w)
         return best
 
-    # -- the engine's calls --------------------------------------------------------------------------------------
+    # -- the planner's calls (`offer` is the older form of `take`) --------------------------------------------------------------------------------------
     def offer(self, lookup: Optional[LookupDraft], dflash_rates: Optional[List[float]] = None) -> None:
         """The lookup continuation available for the next pass (None: no match), and optionally the drafter's own
         per-slot acceptance estimates for it, used instead of the running ones (see `take`)."""

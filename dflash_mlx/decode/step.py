@@ -95,6 +95,13 @@ def proposers_for(drafting: Optional[Proposer], lookup: Optional[LookupIndex]) -
     return proposers
 
 
+def check_ready(drafting: Optional[Proposer], planner: Planner) -> None:
+    """Refuse, before anything runs, what would fail at the first drafted pass: a DFlash drafter without a mask
+    id, where the planner may draft with it (a width held at 1 never does; lookup choices may never need it)."""
+    if isinstance(drafting, DFlashProposer) and planner.drafting and planner.choice is None:
+        drafting.check_mask()
+
+
 def accepted_tokens(values: Sequence[int], width: int, stops: set):
     """(tokens to commit, drafts accepted) from a pass's packed result; a stop token ends the commit."""
     acc, choice = values[0], values[1 : 1 + width]
@@ -112,16 +119,19 @@ class Decoder:
         acceptor: the acceptance rule; state: the caches.
         max_tokens: tokens to commit at most (None or < 0: no limit); stops: stop token ids.
         mark: for benchmarks, `mark(phase, *arrays)` at the end of each phase (see `loop.dflash_generate_step`).
+        clears_cache: release MLX's buffer cache every `CLEAR_CACHE_EVERY` passes (a batch does it per shared
+            pass instead).
     """
 
     def __init__(self, target: TargetModel, drafter, proposers: Dict[str, Proposer], planner: Planner,
                  acceptor: Acceptor, state: DecodeState, *, max_tokens: Optional[int], stops: Sequence[int] = (),
-                 mark: Optional[Callable] = None):
+                 mark: Optional[Callable] = None, clears_cache: bool = True):
         self.target, self.drafter, self.proposers, self.planner = target, drafter, proposers, planner
         self.acceptor, self.state = acceptor, state
         self.limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
         self.stops = set(int(t) for t in stops)
         self.mark = mark or (lambda phase, *arrays: None)
+        self.clears_cache = clears_cache
         self.emitted = self.passes = 0
         self.wants = True  # wants another pass
         target.check_rollback_supported(state.target_cache)
@@ -195,7 +205,7 @@ class Decoder:
         self.state.last_token = tokens[-1]
         self.emitted += keep
         self.passes += 1
-        if self.passes % CLEAR_CACHE_EVERY == 0:
+        if self.clears_cache and self.passes % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         self.wants = tokens[-1] not in self.stops and self.emitted < self.limit
         return Pass(tokens, acc, width, logits=launch.logits[:keep], source=launch.proposal.source)
