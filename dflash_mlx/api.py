@@ -82,6 +82,7 @@ def stream_generate(
     warn_collapse: bool = True,
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     lookup: Optional[bool] = None,
+    proposer=None,
     block_size: Optional[int] = None,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
@@ -109,6 +110,8 @@ def stream_generate(
             drafter (see `decode.sources.SourceChoice`). Default: on with a drafter and a chosen width; False turns
             it off.
         warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
+        proposer: a drafting method of your own for passes wider than 1, in the drafter's place
+            (`decode.proposers.Proposer`; see docs/python-api.md).
         block_size: deprecated name of `width` (an object there: of `planner`).
         sampling: the keywords of `decode.acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
@@ -135,7 +138,7 @@ def stream_generate(
     generation = Generation(prepare(model, drafter), drafter, ids, tokenizer=tokenizer, max_tokens=max_tokens,
                             width=width, planner=planner, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
-                            prefill_progress=prefill_progress, lookup=lookup, **sampling)
+                            prefill_progress=prefill_progress, lookup=lookup, proposer=proposer, **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)
