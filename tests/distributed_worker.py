@@ -41,8 +41,8 @@ def _run(target, drafter, prompt: List[int], spec: Dict[str, Any], sampling: Dic
     # Adaptive: widths from measured cycle times, which every rank must take from the same clock.
     width = agree_on_width(WidthPolicy(spec["block_size"])) if adaptive else None
     gen = dflash_generate_step(mx.array(prompt, dtype=mx.int32), target, drafter, max_tokens=spec["max_tokens"],
-                               block_size=None if adaptive else spec["block_size"], state=state,
-                               acceptor=make_acceptor(**sampling), width=width)
+                               width=None if adaptive else spec["block_size"], state=state,
+                               acceptor=make_acceptor(**sampling), planner=width)
     cycles: List[List[int]] = []
     for cycle in gen:
         cycles.append(cycle.tokens)

@@ -110,7 +110,7 @@ def _random_dspark(model, block=7, logits_start=0, seed=1, **kw):
 def test_greedy_output_is_plain_greedy(kind, block, logits_start, width):
     drafter, t = _random_dspark(tiny.target(kind), block, logits_start)
     prompt = tiny.prompt_ids(10, seed=2)
-    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, block_size=width)
+    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, width=width)
     assert tokens == tiny.reference(kind, prompt, 24)
     assert max(c.width for c in cycles) == width
 
@@ -135,7 +135,7 @@ def test_variant_greedy_output_is_plain_greedy(kind, variant, width):
     assert ("lm_head" not in drafter and drafter.causal_block) if variant == "nemotron" else not drafter.causal_block
     t = prepare(model, drafter)
     prompt = tiny.prompt_ids(10, seed=2)
-    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, block_size=width)
+    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=24, width=width)
     assert tokens == tiny.reference(kind, prompt, 24)
     assert max(c.width for c in cycles) == width
 
@@ -170,7 +170,7 @@ def test_bigram_drafter_is_lossless_on_every_width(checkpoints):
     t = TargetModel(tiny.target("qwen3"), drafter.config.target_layer_ids)
     prompt = tiny.prompt_ids(12)
     for width in (2, 5, drafter.block_size):
-        tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=40, block_size=width)
+        tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=40, width=width)
         assert tokens == tiny.reference("qwen3", prompt, 40)
         assert sum(c.accepted for c in cycles) > 5
 
@@ -390,7 +390,7 @@ def test_stream_generate_with_a_dspark_drafter_is_plain_and_exposes_confidence(t
     drafter.markov_head.markov_w2.weight = mx.array(w2)
     for block_size in (None, 5):
         drafter.walks = []
-        out = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=40, block_size=block_size,
+        out = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=40, width=block_size,
                                        lookup=False))
         assert [r.token for r in out] == plain and len(plain) == 40
         assert sum(r.accepted for r in out if r.source == "dflash") > 10 and out[-1].tau > 1.5

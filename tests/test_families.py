@@ -52,7 +52,7 @@ class SpoiledOracle(OracleDrafter):
 def run(t: TargetModel, ids: Sequence[int], drafter, block_size: int):
     tokens, accepted = [], []
     for cycle in dflash_generate_step(mx.array(list(ids), dtype=mx.int32), t, drafter, max_tokens=MAX_TOKENS,
-                                      block_size=block_size):
+                                      width=block_size):
         tokens += cycle.tokens
         if not cycle.is_prefill:
             accepted.append(cycle.accepted)

@@ -221,7 +221,7 @@ if given is not None:
         want = reference(kind, prompt, max_tokens)
         drafter, t = _property_drafter(kind)
         drafter.steer(prompt + want, corrupt_every(spoil, phase))
-        tokens, cycles = run_dflash(prompt, t, drafter, max_tokens=max_tokens, block_size=block,
+        tokens, cycles = run_dflash(prompt, t, drafter, max_tokens=max_tokens, width=block,
                                     prefill_step_size=step)
         _assert_lossless(kind, prompt, tokens, want)
         assert all(c.accepted + 1 >= len(c.tokens) for c in cycles)

@@ -88,7 +88,7 @@ def test_dflash_equals_mlx_lm_on_quantized_target(quantized, prompt):
     ref, ref_rows = _reference(model, ids, MAX_TOKENS, eos)
     for block in (4, 16):
         responses = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=MAX_TOKENS,
-                                             block_size=block))
+                                             width=block))
         _check([r.token for r in responses], [r.logprobs for r in responses], ref, ref_rows,
                f"{bits}-bit, random drafter, B={block}")
 

@@ -73,7 +73,7 @@ def _mlx_lm_greedy(model, ids, max_tokens):
 def _dflash(model, tokenizer, ids, drafter, max_tokens, block_size=None):
     eos = set(tokenizer.eos_token_ids)
     tokens = [r.token for r in api.stream_generate(model, tokenizer, ids, drafter, max_tokens=max_tokens,
-                                                   block_size=block_size)]
+                                                   width=block_size)]
     return tokens, eos
 
 

@@ -125,7 +125,7 @@ def test_generation_closed_early_leaves_only_committed_tokens(kind):
     drafter = OracleDrafter(ids + [1, 2, 3] * 20, VOCAB, block_size=4)
     state = DecodeState(t.make_cache(), drafter.make_cache())
     committed = []
-    gen = dflash_generate_step(mx.array(ids), t, drafter, max_tokens=40, block_size=4, state=state)
+    gen = dflash_generate_step(mx.array(ids), t, drafter, max_tokens=40, width=4, state=state)
     for i, cycle in enumerate(gen):
         committed += cycle.tokens
         if i == 3:

@@ -76,7 +76,7 @@ def test_shipped_drafter_fits_the_installed_target_and_is_lossless(default_pair)
         ids = _prompt_ids(tokenizer, text)
         ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS)]
         ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
-        out = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=MAX_TOKENS, block_size=4))
+        out = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=MAX_TOKENS, width=4))
         got = [r.token for r in out]
         assert got == ref, f"prompt {text[:30]!r}: " + _first_difference(model, ids, got, ref)
         accepted += sum(r.from_draft for r in out)
