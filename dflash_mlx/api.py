@@ -10,7 +10,6 @@ Responses are mlx-lm `GenerationResponse`s plus the acceptance statistics of the
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Generator, List, Optional, Union
 
@@ -22,7 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .decode.acceptance import Acceptor
 from .decode.generation import Generation
 from .decode.lookup import LOOKUP_ONLY, drafter_model
-from .decode.planner import Planner
+from .decode.planner import Planner, renamed_width_args
 from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
 from .drafters.dflash import DFlashDrafter
@@ -126,7 +125,7 @@ def stream_generate(
         DFlashResponse: text segment, token, logprobs, from_draft, timing, memory, finish_reason and
         acceptance statistics. The last response has `finish_reason` "stop" (EOS) or "length".
     """
-    width, planner = _renamed(width, planner, block_size)
+    width, planner = renamed_width_args(width, planner, block_size, "stream_generate")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
@@ -142,21 +141,6 @@ def stream_generate(
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)
-
-
-def _renamed(width, planner, block_size):
-    """(width, planner) from the arguments, the deprecated spellings included: `block_size=N` for `width=N`, and
-    a width policy object given as `width` for `planner`."""
-    if block_size is not None:
-        warnings.warn("stream_generate(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=3)
-        if width is not None and not isinstance(width, int):
-            planner = planner or width
-        width = block_size
-    elif width is not None and not isinstance(width, int):
-        warnings.warn("stream_generate(width=<policy>) is deprecated: use planner=", DeprecationWarning,
-                      stacklevel=3)
-        width, planner = None, planner or width
-    return width, planner
 
 
 def _responses(generation: Generation) -> Generator[DFlashResponse, None, None]:

@@ -253,7 +253,7 @@ def test_confidence_cut_is_lossless_and_follows_the_head(kind):
     t = prepare(model, recording)
     prompt = tiny.prompt_ids(10, seed=4)
     policy = _AlwaysDraft(8)
-    tokens, cycles = tiny.run_dflash(prompt, t, recording, max_tokens=40, width=policy)
+    tokens, cycles = tiny.run_dflash(prompt, t, recording, max_tokens=40, planner=policy)
     assert tokens == tiny.reference(kind, prompt, 40)
     passes = [c for c in cycles if c.source == "dflash"]
     assert len(passes) == len(recording.walks) == len(policy.cuts) and recording.walks[0].length == 7
@@ -275,7 +275,7 @@ def test_sampling_with_the_confidence_cut_is_exact():
     seqs, widths = [], set()
     for seed in range(400):
         tokens, cycles = tiny.run_dflash(PROMPT, t, drafter, max_tokens=4, acceptor=SamplingAcceptor(params, seed=seed),
-                                         width=_AlwaysDraft(4))
+                                         planner=_AlwaysDraft(4))
         seqs.append(tokens[:3])
         widths.add(cycles[1].width)  # the pass that decides tokens 2 and 3: cut after one draft, or not
     assert widths == {2, 3}

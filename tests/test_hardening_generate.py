@@ -117,7 +117,7 @@ def test_collapse_warning_waits_for_the_end_of_the_text(pair, caplog):
     seen_during = []
     with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
         responses = []
-        for r in api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=80, width=width):
+        for r in api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=80, planner=width):
             responses.append(r)
             seen_during.append(any("acceptance collapsed" in x.getMessage() for x in caplog.records))
         after = [x for x in caplog.records if "acceptance collapsed" in x.getMessage()]

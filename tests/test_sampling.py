@@ -312,7 +312,7 @@ def _run_many(e2e, params, n, drafter_kind="random", processors=(), widths=None)
         acceptor = _Recording(params, processors, seed=seed, log=log)
         d = NearOracle(model, log, E2E_BLOCK, E2E_VOCAB - 1) if drafter_kind == "near_oracle" else drafter
         width = None if widths is None else Scheduled(widths[seed % len(widths):] + widths[: seed % len(widths)])
-        tokens, cycles = tiny.run_dflash(PROMPT, target, d, max_tokens=4, acceptor=acceptor, width=width)
+        tokens, cycles = tiny.run_dflash(PROMPT, target, d, max_tokens=4, acceptor=acceptor, planner=width)
         seqs.append(tokens[:3])
         accepted += sum(c.accepted for c in cycles)
     return np.array(seqs), accepted / n

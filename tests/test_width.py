@@ -167,7 +167,7 @@ def test_changing_width_is_lossless_greedy(kind, seq):
     prompt = tiny.prompt_ids(10, seed=seq)
     drafter, t = tiny.make_drafter(tiny.target(kind), block_size=4)
     width = Scheduled(WIDTH_SEQUENCES[seq])
-    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=20, width=width)
+    tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=20, planner=width)
     assert tokens == tiny.reference(kind, prompt, 20)
     widths = [c.block_size for c in cycles[1:]]
     assert len(set(widths)) > 1 and widths == [w for w, _ in width.recorded]
@@ -179,7 +179,7 @@ def test_changing_width_is_lossless_with_the_adaptive_policy_and_a_steered_draft
     ref = tiny.reference(kind, prompt, 24)
     oracle_drafter = tiny.SteeredOracle(list(prompt) + ref, tiny.VOCAB, 4, tiny.VOCAB - 1, tiny.corrupt_every(3))
     t = tiny.TargetModel(tiny.target(kind), [0])
-    tokens, cycles = tiny.run_dflash(prompt, t, oracle_drafter, max_tokens=24, width=WidthPolicy(4))
+    tokens, cycles = tiny.run_dflash(prompt, t, oracle_drafter, max_tokens=24, planner=WidthPolicy(4))
     assert tokens == ref
 
 

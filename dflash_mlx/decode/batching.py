@@ -36,11 +36,11 @@ from ..targets.ragged import ragged_forward
 from .acceptance import Acceptor, GreedyAcceptor
 from .generation import Generation
 from .lookup import LookupIndex
-from .planner import Planner, planner_for
+from .planner import Planner, pace, planner_for
 from .proposers import Proposer
 from .state import DecodeState
 from .step import CLEAR_CACHE_EVERY, Decoder, Launch, Pass, check_ready, drafting_proposer, proposers_for
-from .width import Width, WidthPolicy, coordinate
+from .width import Width, WidthPolicy
 
 
 class SharedWidth:
@@ -88,9 +88,8 @@ class Batch:
         """The batch's adaptive planner up to `max_width` (one per distinct maximum)."""
         if max_width not in self._shared:
             policy = WidthPolicy(max_width)
-            paced = coordinate(policy)
-            self._shared[max_width] = Planner(SharedWidth(self, paced),
-                                              cutter=policy if paced is policy else None)
+            paced, cutter = pace(policy, policy)
+            self._shared[max_width] = Planner(SharedWidth(self, paced), cutter=cutter)
         return self._shared[max_width]
 
     # -- one generation --------------------------------------------------------------------------------------------

@@ -117,11 +117,31 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
     model = WidthPolicy(widest, cost=cost) if drafting is not None else None
     if lookup:
         choice = SourceChoice(model, lookup_width, cost=cost)
-        paced = coordinate(choice)
-        return Planner(paced, choice=choice, cutter=model if paced is choice else None,
-                       drafting=drafting is not None, drafting_source=source)
-    paced = coordinate(model)
-    return Planner(paced, cutter=model if paced is model else None, drafting_source=source)
+        paced, cutter = pace(choice, model)
+        return Planner(paced, choice=choice, cutter=cutter, drafting=drafting is not None, drafting_source=source)
+    paced, cutter = pace(model, model)
+    return Planner(paced, cutter=cutter, drafting_source=source)
+
+
+def pace(widths: Width, model: Optional[WidthPolicy]):
+    """(`widths` as the installed rank coordinator wraps it, the policy that may cut a confident block: `model`,
+    unless the coordinator wrapped it, since ranks must choose alike)."""
+    paced = coordinate(widths)
+    return paced, (model if paced is widths else None)
+
+
+def renamed_width_args(width, planner, block_size: Optional[int], caller: str):
+    """(width, planner) from arguments in their current and deprecated spellings: `block_size=N` for `width=N`,
+    and a width policy object given as `width` for `planner` (each with a DeprecationWarning)."""
+    if block_size is not None:
+        warnings.warn(f"{caller}(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=4)
+        if width is not None and not isinstance(width, int):
+            planner = planner or width
+        width = block_size
+    elif width is not None and not isinstance(width, int):
+        warnings.warn(f"{caller}(width=<policy>) is deprecated: use planner=", DeprecationWarning, stacklevel=4)
+        width, planner = None, planner or width
+    return width, planner
 
 
 def planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,
@@ -129,18 +149,12 @@ def planner_for(drafting, *, width=None, planner=None, block_size: Optional[int]
     """The planner for the loop's and the batch's arguments (`drafting`: the proposer of passes wider than 1, or
     None), the deprecated ones included: `block_size=N` (now `width=N`), a width policy object as `width=` (now
     `planner=`), a `sources` choice with its `lookup` index. A fixed width wins over any planner or policy."""
-    if block_size is not None:
-        warnings.warn("block_size= is deprecated: the verify width is width=N", DeprecationWarning, stacklevel=3)
-    policy = None
-    if width is not None and not isinstance(width, int):
-        policy, width = width, None
-    if planner is not None and not isinstance(planner, Planner):
-        policy, planner = planner, None  # a width policy object: plan with it
-    fixed = block_size if block_size is not None else width
-    if fixed is not None:
-        return build_planner(drafting=drafting, width=fixed)
-    if planner is not None:
+    width, planner = renamed_width_args(width, planner, block_size, "dflash_generate_step")
+    if width is not None:
+        return build_planner(drafting=drafting, width=width)
+    if isinstance(planner, Planner):
         return planner
+    policy = planner  # a width policy object (or None)
     if sources is not None:
         if lookup is None:
             raise DFlashError("a draft-source choice needs a lookup index")

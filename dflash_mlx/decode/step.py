@@ -146,8 +146,9 @@ class Decoder:
         """Prefill `prompt` (its features go to the draft cache) and choose the token after it."""
         # History-dependent logits processors and the lookup index see every token the target has seen.
         self.acceptor.observe(prompt)
+        tokens = prompt.tolist()
         for proposer in self.proposers.values():
-            proposer.observe(self.state, prompt.tolist(), None)
+            proposer.observe(self.state, tokens, None)
         last_logits = prefill(self.target, self.drafter, prompt, self.state, step_size, progress)
         first = int(self.acceptor.first(last_logits).item())
         self.state.last_token = first
