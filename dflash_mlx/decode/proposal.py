@@ -13,7 +13,7 @@ pass is withdrawn.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -55,3 +55,26 @@ class Proposal:
     def empty(cls) -> "Proposal":
         """No drafts: a plain decoding step."""
         return cls(mx.zeros((0,), dtype=mx.int32), source=PLAIN)
+
+
+@dataclass
+class TreeProposal(Proposal):
+    """Drafts as a tree, verified in one pass: `tokens[i]` is block slot i+1 and its parent is block slot
+    `parents[i]` (0: the root, slot 0, the last committed token). Parents come before their children
+    (`parents[i] <= i`), so any first-n nodes are a tree too (`cut` keeps them). Siblings are tried in slot
+    order. `logq` row i is the distribution node i was drawn from (siblings drawn from one row share it);
+    `point_mass` nodes were fixed in advance (q one-hot on each token)."""
+
+    parents: Tuple[int, ...] = ()
+
+    @property
+    def depths(self) -> List[int]:
+        """Depth of every block slot (slot 0, the root, is depth 0)."""
+        depth = [0]
+        for p in self.parents:
+            depth.append(depth[p] + 1)
+        return depth
+
+    def cut(self, drafts: int) -> "TreeProposal":
+        cut = super().cut(drafts)
+        return replace(cut, parents=tuple(self.parents[:drafts]))
