@@ -77,10 +77,13 @@ class Launch:
 
 def drafting_proposer(drafter, proposer: Optional[Proposer] = None,
                       mask_token_id: Optional[int] = None) -> Optional[Proposer]:
-    """The proposer that fills passes wider than 1 when lookup does not: the one given, else the drafter's
-    blocks (None: neither)."""
+    """The proposer that fills passes wider than 1 when lookup does not: the one given, else the drafter's own
+    (`drafter.make_proposer()`, e.g. MTP heads), else the drafter's blocks (None: neither)."""
     if proposer is not None:
         return proposer
+    make_proposer = getattr(drafter, "make_proposer", None)
+    if make_proposer is not None:
+        return make_proposer()
     return DFlashProposer(drafter, mask_token_id) if drafter is not None else None
 
 
