@@ -83,6 +83,7 @@ def stream_generate(
     lookup: Optional[bool] = None,
     proposer=None,
     block_size: Optional[int] = None,
+    tree_budget: Union[int, str, None] = None,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
@@ -112,6 +113,9 @@ def stream_generate(
         proposer: a drafting method of your own for passes wider than 1, in the drafter's place
             (`decode.proposers.Proposer`; see docs/python-api.md).
         block_size: deprecated name of `width` (an object there: of `planner`).
+        tree_budget: each drafting pass verifies a draft tree of up to this many nodes in one target pass (DDTree:
+            the drafter's likeliest continuations, several per position where it is unsure); "auto": the planner
+            chooses chain or tree budget by measured speed; None (default): chains. Lossless either way.
         sampling: the keywords of `decode.acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
             exactly as sampling the target alone (rejection sampling);
@@ -137,7 +141,8 @@ def stream_generate(
     generation = Generation(prepare(model, drafter), drafter, ids, tokenizer=tokenizer, max_tokens=max_tokens,
                             width=width, planner=planner, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
-                            prefill_progress=prefill_progress, lookup=lookup, proposer=proposer, **sampling)
+                            prefill_progress=prefill_progress, lookup=lookup, proposer=proposer,
+                            tree_budget=tree_budget, **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)

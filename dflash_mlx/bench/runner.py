@@ -44,6 +44,7 @@ class BenchConfig:
     fixed_draft: bool = True  # run the drafter at each fixed block size too (the oracle always is)
     random_draft: bool = False  # also run a drafter of the same shape with random weights (adaptive only)
     num_draft_tokens: List[int] = field(default_factory=lambda: [3])
+    tree_budgets: List = field(default_factory=list)  # also run the drafter with draft trees of these budgets
     temp: float = 0.0
     seed: int = 0
     out: Optional[str] = None
@@ -132,6 +133,12 @@ def _build_methods(cfg: BenchConfig, model):
                 others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True))
             if cfg.lookup:
                 others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True, lookup=True))
+        for budget in cfg.tree_budgets:  # the same methods, each drafted block verified as a tree
+            if cfg.drafter_alone or not cfg.lookup:
+                others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True, tree_budget=budget))
+            if cfg.lookup:
+                others.append(DFlashMethod(target, drafter, widest, cfg.temp, adaptive=True, lookup=True,
+                                           tree_budget=budget))
         if cfg.fixed_draft:
             others += [DFlashMethod(target, drafter, b, cfg.temp) for b in blocks]
         if cfg.random_draft:

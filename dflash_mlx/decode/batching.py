@@ -110,7 +110,8 @@ class Batch:
         state = state or DecodeState.fresh(target, drafter)
         index = lookup if planner.choice is not None else None
         decoder = Decoder(target, drafter, proposers_for(drafting, index), planner, acceptor or GreedyAcceptor(),
-                          state, max_tokens=max_tokens, stops=stop_tokens, clears_cache=False)
+                          state, max_tokens=max_tokens, stops=stop_tokens, clears_cache=False,
+                          trees=False)
         # The prefill runs alone (between two passes of the others).
         yield decoder.start(prompt, prefill_step_size, prefill_progress)
         if not decoder.wants:

@@ -32,7 +32,7 @@ from ..errors import DFlashError
 from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
 from .lookup import LookupIndex
 from .loop import dflash_generate_step
-from .planner import Planner, build_planner
+from .planner import Planner, build_planner, tree_chooser
 from .sources import SourceChoice
 from .state import DecodeState
 from .stats import AcceptanceStats, CollapseWatch
@@ -64,6 +64,8 @@ class Generation:
         proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
         prefill_step_size, prefill_progress, mask_token_id, profiler: as `loop.dflash_generate_step` takes them.
         width_policy: deprecated name of `planner`.
+        tree_budget: drafting passes verify a DDTree of up to this many drafted nodes in one target pass (an int),
+            or the planner chooses chain or budget by measured speed ("auto"); None: chains.
     """
 
     def __init__(self, target, drafter, prompt, *, tokenizer=None, max_tokens: int = 256,
@@ -73,7 +75,7 @@ class Generation:
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
-                 lookup_width: int = 32, proposer=None, width_policy=None, **sampling):
+                 lookup_width: int = 32, proposer=None, width_policy=None, tree_budget=None, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
         if width_policy is not None:
@@ -101,7 +103,9 @@ class Generation:
             planner = build_planner(drafting=self.proposer, policy=planner)
         self.planner: Planner = planner or build_planner(
             drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
-            reproducible=reproducible, shared=self._shared_planner)
+            reproducible=reproducible, shared=self._shared_planner, tree_budget=tree_budget)
+        if tree_budget is not None and self.planner.trees is None and self.planner.drafting:
+            self.planner.trees = tree_chooser(tree_budget, reproducible)  # a planner of the caller's
         self.sources: Optional[SourceChoice] = self.planner.choice
         self.lookup = _lookup_index(state, history) if use_lookup else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)

@@ -21,7 +21,6 @@ import time
 from typing import Callable, Generator, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
 from ..targets import TargetModel
 from .acceptance import Acceptor, GreedyAcceptor
@@ -55,6 +54,7 @@ def dflash_generate_step(
     sources: Optional[SourceChoice] = None,
     block_size: Optional[int] = None,
     proposer: Optional[Proposer] = None,
+    tree_budget=None,
 ) -> Generator[Pass, None, None]:
     """DFlash decoding (greedy unless another acceptor is given).
 
@@ -78,13 +78,15 @@ def dflash_generate_step(
             there; the extra syncs slow decoding (see `bench.methods.PhaseProfiler`).
         block_size: deprecated name of `width`.
         proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
+        tree_budget: drafting passes verify a DDTree of up to this many drafted nodes, in one target pass (an int),
+            or the planner chooses chain or budget by measured speed ("auto"); None: chains.
 
     Yields:
         Pass: the tokens each verify pass commits, in order.
     """
     drafting = drafting_proposer(drafter, proposer, mask_token_id)
     plan = planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
-                       lookup=lookup)
+                       lookup=lookup, tree_budget=tree_budget)
     check_ready(drafting, plan)
     state = state or DecodeState.fresh(target, drafter)
     decoder = Decoder(target, drafter, proposers_for(drafting, lookup if plan.choice is not None else None), plan,
@@ -97,9 +99,8 @@ def dflash_generate_step(
     def launch() -> Launch:
         """Draft, verify and accept one block, queued on the device."""
         proposal = decoder.propose()
-        with mx.stream(generation_stream):
-            logits, hidden = target(decoder.block(proposal), state.target_cache)
-        queued = decoder.verify(proposal, logits[0], hidden)
+        logits, hidden, write = decoder.forward(proposal)
+        queued = decoder.verify(proposal, logits[0], hidden, write)
         mx.async_eval(queued.packed, hidden)
         return queued
 

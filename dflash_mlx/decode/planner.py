@@ -6,7 +6,9 @@ The loop asks one object one question per pass (`Planner.plan(offers, room)`) an
   `width.FixedWidth` (`width=N`), or any object of the `width.Width` shape (a rank coordinator's wrapper, a test's
   schedule);
 - `sources.SourceChoice` when prompt lookup is on: lookup's copied continuation against the drafter's block
-  against plain decoding, each at its best width.
+  against plain decoding, each at its best width;
+- `budget.FixedBudget` / `budget.TreeBudget` when draft trees are on: whether a drafting pass verifies its block
+  as a chain or as a tree of up to B nodes (`Plan.budget`).
 `cut` applies a drafter's confidence head to the block just drafted (`WidthPolicy.truncate`); whether the planner
 may cut is fixed when it is built (a fixed or rank-coordinated width must not change under it), never found out by
 looking inside the objects it holds.
@@ -20,9 +22,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Union
 
 from ..errors import DFlashError
+from .budget import FixedBudget, TreeBudget
 from .proposal import DFLASH, LOOKUP, PLAIN, Offer
 from .sources import SourceChoice
 from .width import FixedWidth, Width, WidthPolicy, coordinate, nominal_cost
@@ -35,6 +38,7 @@ class Plan:
     source: str  # the proposer that drafts it (PLAIN: none)
     width: int  # tokens to verify (1: a plain decoding step)
     offer: Optional[Offer] = None  # the chosen proposer's offer (lookup: the continuation to copy)
+    budget: Optional[int] = None  # a tree of up to this many drafted nodes, `width` deep at most (None: a chain)
 
 
 class Planner:
@@ -46,12 +50,16 @@ class Planner:
         cutter: the width policy that may cut a confident block short (None: never cut).
         drafting: whether a proposer may fill widths above 1 (a drafter, not held at width 1).
         drafting_source: that proposer's name (the DFlash drafter's by default).
+        trees: chooses, per drafting pass, a chain or a tree budget (`budget.FixedBudget`, `budget.TreeBudget`;
+            None: always chains).
     """
 
     def __init__(self, widths: Width, *, choice: Optional[SourceChoice] = None,
-                 cutter: Optional[WidthPolicy] = None, drafting: bool = True, drafting_source: str = DFLASH):
+                 cutter: Optional[WidthPolicy] = None, drafting: bool = True, drafting_source: str = DFLASH,
+                 trees=None):
         self.widths, self.choice, self.cutter, self.drafting = widths, choice, cutter, drafting
         self.drafting_source = drafting_source
+        self.trees = trees
 
     def widest(self, source: str) -> int:
         """The widest pass this planner may choose for `source` (what a proposer is asked to offer)."""
@@ -68,7 +76,14 @@ class Planner:
             copied = self.choice.lookup_tokens[: width - 1]
             return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied))
         # Any other pass wider than 1 is the drafting proposer's (the choice calls it DFLASH); without one, plain.
-        return Plan(self.drafting_source, width) if self.drafting else Plan(PLAIN, 1)
+        if not self.drafting:
+            return Plan(PLAIN, 1)
+        budget = self.trees.choose() if self.trees is not None else None
+        if budget is not None:
+            # A tree as deep as a fixed width allows, else as deep as the drafter's block.
+            deepest = width if isinstance(self.widths, FixedWidth) else int(min(1 << 30, room))
+            return Plan(self.drafting_source, deepest, budget=budget)
+        return Plan(self.drafting_source, width)
 
     @property
     def cuts(self) -> bool:
@@ -78,15 +93,21 @@ class Planner:
         """The width of a drafted block of `width` tokens under its confidence estimates (see `cutter`)."""
         return self.cutter.truncate(confidence, width)
 
-    def record(self, width: int, accepted: int, seconds: float) -> None:
-        """One finished pass: its width, drafts accepted and seconds since the previous pass ended."""
-        self.widths.record(width, accepted, seconds)
+    def record(self, width: int, accepted: int, seconds: float, source: Optional[str] = None,
+               budget: Optional[int] = None) -> None:
+        """One finished pass: its width (rows verified), drafts accepted and seconds since the previous pass
+        ended; `source` its proposer, `budget` its tree budget (None: a chain)."""
+        if budget is None:
+            self.widths.record(width, accepted, seconds)
+        if self.trees is not None and (budget is not None or source == self.drafting_source):
+            self.trees.record(budget, accepted + 1, seconds, width)
 
 
 def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optional[Width] = None,
                   max_width: Optional[int] = None, lookup: bool = False, lookup_width: int = 32,
                   reproducible: bool = False,
-                  shared: Optional[Callable[[int], Optional["Planner"]]] = None) -> Planner:
+                  shared: Optional[Callable[[int], Optional["Planner"]]] = None,
+                  tree_budget: Union[int, str, None] = None) -> Planner:
     """A generation's planner.
 
     Args:
@@ -98,7 +119,27 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
         reproducible: sampled output must follow from the seed alone: widths follow acceptance, not the clock.
         shared: a batch's shared DFlash planner for a widest width (None: none), used by members that may share
             one (no lookup, no seeded sampling).
+        tree_budget: drafting passes verify a tree of up to this many drafted nodes (an int), or the planner
+            chooses chain or tree budget by measured speed ("auto"); None: chains.
     """
+    planner = _width_planner(drafting=drafting, width=width, policy=policy, max_width=max_width, lookup=lookup,
+                             lookup_width=lookup_width, reproducible=reproducible,
+                             shared=None if tree_budget is not None else shared)
+    if tree_budget is not None and drafting is not None and planner.drafting:
+        planner.trees = tree_chooser(tree_budget, reproducible)
+    return planner
+
+
+def tree_chooser(tree_budget: Union[int, str], reproducible: bool = False):
+    """The budget estimator for a `tree_budget` option: `FixedBudget(B)` or, for "auto", a `TreeBudget`."""
+    if tree_budget == "auto":
+        return TreeBudget(cost=nominal_cost if reproducible else None)
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise DFlashError(f"tree_budget must be a number of nodes >= 1, 'auto' or None, got {tree_budget!r}")
+    return FixedBudget(tree_budget)
+
+
+def _width_planner(*, drafting, width, policy, max_width, lookup, lookup_width, reproducible, shared) -> Planner:
     source = drafting.name if drafting is not None else DFLASH
     if width is not None and drafting is not None and width < 1:
         raise DFlashError(f"width must be >= 1 (1: plain decoding), got {width}")
@@ -145,7 +186,17 @@ def renamed_width_args(width, planner, block_size: Optional[int], caller: str):
 
 
 def planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,
-                sources: Optional[SourceChoice] = None, lookup=None) -> Planner:
+                sources: Optional[SourceChoice] = None, lookup=None, tree_budget=None) -> Planner:
+    """`_planner_for` with draft trees on where `tree_budget` says (see `build_planner`)."""
+    built = _planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
+                         lookup=lookup)
+    if tree_budget is not None and drafting is not None and built.drafting:
+        built.trees = tree_chooser(tree_budget)
+    return built
+
+
+def _planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,
+                 sources: Optional[SourceChoice] = None, lookup=None) -> Planner:
     """The planner for the loop's and the batch's arguments (`drafting`: the proposer of passes wider than 1, or
     None), the deprecated ones included: `block_size=N` (now `width=N`), a width policy object as `width=` (now
     `planner=`), a `sources` choice with its `lookup` index. A fixed width wins over any planner or policy."""

@@ -1,10 +1,13 @@
 """The pass step: one verify pass of one generation, in the phases the single-stream loop and the batch share.
 
     start(prompt)            prefill; the first token (a `Pass` with `is_prefill`)
-    propose()                the planner picks a proposer and a width from the proposers' offers; it drafts
+    propose()                the planner picks a proposer and a width (or a tree budget) from the proposers'
+                             offers; it drafts a chain or a tree (`proposal.TreeProposal`)
     block(proposal)          the ids the target verifies: [last committed token, drafts...]
+    forward(proposal)        the single stream's target pass over the block (a tree: one pass with a tree mask)
     verify(proposal, ...)    the acceptor's verdict on the target's logits, packed for one host sync
-    finish(launch, values)   roll the caches back to the kept prefix, tell every proposer what was committed
+    finish(launch, values)   roll the caches back to the kept prefix (a tree: keep the accepted path's rows), tell
+                             every proposer what was committed
     withdraw(launch)         a launched pass the caller no longer wants, undone before `finish`
     take_back(launch)        a finished pass the caller never saw, undone after `finish`
 
@@ -17,21 +20,25 @@ committed prefix, so the output is the target's alone whatever the proposer, wid
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import warnings
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from ..targets import TargetModel
+from ..targets.tree import commit_path, tree_forward, tree_support
 from .acceptance import Acceptor
 from .lookup import LookupIndex
 from .planner import Planner
-from .proposal import LOOKUP, PLAIN, Proposal
+from .proposal import LOOKUP, PLAIN, Proposal, TreeProposal
 from .proposers import Proposer
 from .proposers.dflash import DFlashProposer
 from .proposers.lookup import LookupProposer
 from .proposers.plain import PlainProposer
 from .state import DecodeState, prefill
+from .tree import verify_tree
 
 CLEAR_CACHE_EVERY = 256  # passes between releases of MLX's buffer cache, as mlx-lm's decode loop does
 
@@ -67,6 +74,8 @@ class Launch:
     packed: mx.array  # [acc, choice_0..choice_{w-1}, draft_1..draft_{w-1}]
     logits: mx.array  # [w, V]
     hidden: mx.array  # [1, w, n*H]
+    write: Any = None  # a tree pass's verify write (`targets.tree.TreeWrite`), kept out of the caches until finish
+    budget: Optional[int] = None  # a tree pass's budget
     kept: int = 0  # tokens `finish` committed
     previous_token: int = -1  # the last committed token before it
 
@@ -105,6 +114,20 @@ def check_ready(drafting: Optional[Proposer], planner: Planner) -> None:
         drafting.check_mask()
 
 
+def accepted_path(values: Sequence[int], proposal: TreeProposal, stops: set):
+    """(tokens to commit, drafts accepted, block slots whose rows chose them: the root, then the accepted nodes)
+    from a tree pass's packed result; a stop token ends the commit."""
+    acc, fix = values[0], values[1]
+    n = len(proposal.parents)
+    path_len = len(values) - 2 - n
+    path = values[2 : 2 + path_len][:acc]
+    drafts = values[2 + path_len :]
+    tokens = [drafts[s - 1] for s in path] + [fix]
+    stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
+    tokens = tokens if stop_at is None else tokens[: stop_at + 1]
+    return tokens, acc, [0] + list(path)
+
+
 def accepted_tokens(values: Sequence[int], width: int, stops: set):
     """(tokens to commit, drafts accepted) from a pass's packed result; a stop token ends the commit."""
     acc, choice = values[0], values[1 : 1 + width]
@@ -124,11 +147,12 @@ class Decoder:
         mark: for benchmarks, `mark(phase, *arrays)` at the end of each phase (see `loop.dflash_generate_step`).
         clears_cache: release MLX's buffer cache every `CLEAR_CACHE_EVERY` passes (a batch does it per shared
             pass instead).
+        trees: whether the caller runs tree passes (`forward`); a batch's ragged pass verifies chains only.
     """
 
     def __init__(self, target: TargetModel, drafter, proposers: Dict[str, Proposer], planner: Planner,
                  acceptor: Acceptor, state: DecodeState, *, max_tokens: Optional[int], stops: Sequence[int] = (),
-                 mark: Optional[Callable] = None, clears_cache: bool = True):
+                 mark: Optional[Callable] = None, clears_cache: bool = True, trees: bool = True):
         self.target, self.drafter, self.proposers, self.planner = target, drafter, proposers, planner
         self.acceptor, self.state = acceptor, state
         self.limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
@@ -138,6 +162,13 @@ class Decoder:
         self.emitted = self.passes = 0
         self.wants = True  # wants another pass
         target.check_rollback_supported(state.target_cache)
+        self.budget: Optional[int] = None  # the tree budget of the pass being proposed
+        self.trees_ok = False
+        if trees and getattr(planner, "trees", None) is not None:
+            why = tree_support(target, state.target_cache)
+            if why is not None:
+                warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
+            self.trees_ok = why is None
 
     def _observe(self, tokens: List[int], features: Optional[mx.array]) -> None:
         self.acceptor.observe(tokens)
@@ -168,10 +199,20 @@ class Decoder:
         offers = {name: p.offer(self.state, int(min(self.planner.widest(name), room)))
                   for name, p in self.proposers.items() if name != PLAIN}
         plan = self.planner.plan(offers, room)
+        self.budget = None
         if plan.width <= 1:
             return Proposal.empty()
+        proposer, width = self.proposers[plan.source], plan.width
+        grow = None
+        if plan.budget is not None:  # a tree as deep as the proposer drafts, or its chain where trees are off
+            width = min(width, proposer.widest)
+            grow = getattr(proposer, "propose_tree", None) if self.trees_ok else None
         with mx.stream(generation_stream):
-            proposal = self.proposers[plan.source].propose(self.state, self.acceptor, plan.width, plan.offer)
+            if grow is not None:
+                proposal = grow(self.state, self.acceptor, width, plan.budget, plan.offer)
+                self.budget = plan.budget if isinstance(proposal, TreeProposal) else None
+            else:
+                proposal = proposer.propose(self.state, self.acceptor, width, plan.offer)
             proposal = replace(proposal, source=plan.source)  # labelled by the proposer the planner chose
             if proposal.confidence is not None and self.planner.cuts:
                 # One extra host sync, for drafters that estimate their own acceptance (a DSpark confidence head).
@@ -185,38 +226,66 @@ class Decoder:
         head = mx.array([[self.state.last_token]], dtype=mx.int32)
         return mx.concatenate([head, proposal.tokens[None]], axis=1)
 
-    def verify(self, proposal: Proposal, logits: mx.array, hidden: mx.array) -> Launch:
-        """The acceptor's verdict on the target's logits [w, V] for the block, packed for one host read."""
+    def forward(self, proposal: Proposal):
+        """The target's pass over the block: (logits [1, w, V], hidden [1, w, n*H], a tree's write or None). A
+        chain is written to the caches (rolled back in `finish`); a tree is not (its path is kept in `finish`)."""
         with mx.stream(generation_stream):
-            acc, choice = self.acceptor.verify(proposal, logits)
-            packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, proposal.tokens])
+            if isinstance(proposal, TreeProposal):
+                parents = (-1,) + tuple(proposal.parents)
+                return tree_forward(self.target, self.block(proposal), parents, self.state.target_cache)
+            logits, hidden = self.target(self.block(proposal), self.state.target_cache)
+            return logits, hidden, None
+
+    def verify(self, proposal: Proposal, logits: mx.array, hidden: mx.array, write: Any = None) -> Launch:
+        """The acceptor's verdict on the target's logits [w, V] for the block, packed for one host read: a chain's
+        [acc, choice..., drafts...]; a tree's [acc, token after the path, path slots..., drafts...]."""
+        with mx.stream(generation_stream):
+            if isinstance(proposal, TreeProposal):
+                acc, path, fix = verify_tree(self.acceptor, proposal, logits)
+                packed = mx.concatenate([acc.reshape(1).astype(mx.int32), fix.reshape(1).astype(mx.int32),
+                                         path.astype(mx.int32), proposal.tokens.astype(mx.int32)])
+            else:
+                acc, choice = self.acceptor.verify(proposal, logits)
+                packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, proposal.tokens])
         self.mark("verify", packed, hidden)
-        return Launch(proposal, packed, logits, hidden)
+        return Launch(proposal, packed, logits, hidden, write, self.budget if write is not None else None)
 
     def finish(self, launch: Launch, values: Sequence[int], seconds: float) -> Pass:
         """Commit the pass whose packed result was read as `values`; `seconds` is its cost."""
         width = launch.width
-        tokens, acc = accepted_tokens(values, width, self.stops)
-        self.planner.record(width, acc, seconds)
+        if launch.write is not None:
+            tokens, acc, slots = accepted_path(values, launch.proposal, self.stops)
+        else:
+            tokens, acc = accepted_tokens(values, width, self.stops)
+        self.planner.record(width, acc, seconds, launch.proposal.source, launch.budget)
         self.mark("host")
-        # The target cache holds the whole block; keep the committed prefix (the newest token is the next
-        # block's slot 0, so it is not in the cache yet).
         keep = len(tokens)
-        self.target.rollback(self.state.target_cache, width - keep)
+        if launch.write is not None:
+            # The caches hold none of the tree: the rows of the root and the accepted nodes go in now.
+            kept = slots[:keep]
+            commit_path(self.target, self.state.target_cache, launch.write, kept)
+            index = mx.array(kept, dtype=mx.int32)
+            features, logits = launch.hidden[:, index], launch.logits[index]
+        else:
+            # The target cache holds the whole block; keep the committed prefix (the newest token is the next
+            # block's slot 0, so it is not in the cache yet).
+            self.target.rollback(self.state.target_cache, width - keep)
+            features, logits = launch.hidden[:, :keep], launch.logits[:keep]
         self.mark("rollback", [c.state for c in self.state.target_cache])
         launch.kept, launch.previous_token = keep, self.state.last_token
-        self._observe(tokens, launch.hidden[:, :keep])  # lazy: computed only for a proposer that keeps it
+        self._observe(tokens, features)  # lazy: computed only for a proposer that keeps it
         self.state.last_token = tokens[-1]
         self.emitted += keep
         self.passes += 1
         if self.clears_cache and self.passes % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         self.wants = tokens[-1] not in self.stops and self.emitted < self.limit
-        return Pass(tokens, acc, width, logits=launch.logits[:keep], source=launch.proposal.source)
+        return Pass(tokens, acc, width, logits=logits, source=launch.proposal.source)
 
     def withdraw(self, launch: Launch) -> None:
         """Undo a launched pass before `finish`: the caches hold exactly the committed tokens again."""
-        self.target.rollback(self.state.target_cache, launch.width)
+        if launch.write is None:  # a tree pass wrote nothing to the caches
+            self.target.rollback(self.state.target_cache, launch.width)
         self.proposers[launch.proposal.source].withdraw(self.state, launch.proposal)
 
     def take_back(self, launch: Launch) -> None:

@@ -8,6 +8,10 @@ Every drafter family adapts here, once, when the proposer is built:
 - a walk with a confidence head (DSpark) also attaches its per-slot acceptance estimates to the proposal, for the
   planner to cut the block short (`Planner.cut`).
 
+A block drafter's per-slot distributions also give a draft tree (`propose_tree`: DDTree's best-first tree of up to
+`budget` nodes, `decode.tree.propose_tree`), verified in one target pass. A walk drafter drafts chains only (its
+slot i is conditioned on one draft i-1).
+
 The features of committed tokens wait in `state.pending_context` until the next block is drafted (they are added
 to the draft cache then, in one call); a withdrawn proposal gives them back.
 """
@@ -23,6 +27,7 @@ from ...errors import DFlashError
 from ..acceptance import Acceptor, GreedyAcceptor
 from ..proposal import DFLASH, Offer, Proposal
 from ..state import DecodeState
+from ..tree import propose_tree
 
 
 class Drafter(Protocol):
@@ -89,6 +94,22 @@ class DFlashProposer:
         flushed = state.flush_context(self.drafter)
         block_ids = mx.array([[state.last_token] + [self.mask_token_id] * (width - 1)], dtype=mx.int32)
         proposal = self._draw(block_ids, state.draft_cache, acceptor, state.last_token)
+        return replace(proposal, flushed=flushed)
+
+    def propose_tree(self, state: DecodeState, acceptor: Acceptor, width: int, budget: int,
+                     offer: Optional[Offer]) -> Proposal:
+        """A tree of up to `budget` drafts at most `width - 1` deep from one block's distributions; a chain where
+        this drafter or acceptor cannot make one."""
+        if getattr(self.drafter, "draft_walk", None) is not None:
+            return self.propose(state, acceptor, width, offer)
+        self.check_mask()
+        width = min(width, self.drafter.block_size)
+        flushed = state.flush_context(self.drafter)
+        block_ids = mx.array([[state.last_token] + [self.mask_token_id] * (width - 1)], dtype=mx.int32)
+        logits = self.drafter(block_ids, state.draft_cache)[0]
+        proposal = propose_tree(logits, acceptor, budget)
+        if proposal is None:
+            proposal = acceptor.propose(logits)
         return replace(proposal, flushed=flushed)
 
     def observe(self, state: DecodeState, tokens: Sequence[int], features: Optional[mx.array]) -> None:

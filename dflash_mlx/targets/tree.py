@@ -1,0 +1,374 @@
+"""Verify a draft tree in one target forward pass, then keep exactly the accepted path's cache rows.
+
+`tree_forward` runs the n+1 block slots as a BATCH of n+1 one-token sequences ([n+1, 1, H]) through the model's
+own layers; nothing in mlx-lm is patched. Each attention layer gets a `_TreeKV` stand-in for its cache:
+- `offset` is an array [n+1] (cache offset + depth of each node): mlx-lm's attentions pass `cache.offset` to
+  `mx.fast.rope`, which takes one offset per batch row, so every node is rotated at its own chain position;
+- `update_and_fetch` returns, for every row, the real cache's visible rows followed by all n+1 new rows, and keeps
+  the new rows for `commit_path`; the real cache is only read;
+- the mask the walk passes is boolean [n+1, 1, 1, S+n+1]: cached rows (within the window for sliding layers) and
+  the node's ancestors and itself.
+MLP / MoE layers are per token. GatedDeltaNet layers (hybrid targets) run here, from the layer's submodules as
+`hybrid.gated_delta_net` does: each node's conv window is gathered along its ancestors (the root's from the conv
+state) and the recurrent state advances level by level (depth order) from the parent's state with mlx-lm's
+`gated_delta_update`; every node's state is kept in the `TreeWrite` so `commit_path` can take the path's last.
+
+`commit_path` then writes the kept path into the real caches as ONE chain write (`update_and_fetch` of the path's
+rows; conv state, recurrent state and a `GDNWrite` record for GatedDeltaNet caches), so a later `rollback` of
+part of the path is as exact as after a chain verify. Rows are the tree's own numbers. Where matmuls round each
+row alike (CPU bf16; fp32 on MLX's bundled BLAS) they are bit-identical to a chain pass of the path, logits and
+caches (not deepseek_v3: its MLA takes another formula for one-token queries); with the OpenBLAS this package
+loads, fp32 rows round by row count, so they agree to ~1e-5 of the logit scale, as a block chain does with a
+token-at-a-time chain. Cost: each attention row reads all cached rows (broadcast over the n+1 rows).
+
+`tree_support` says why a target/cache cannot take trees (callers then verify chains).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+from ..errors import DFlashError
+from .adapter import TargetModel, split_into_stages
+from .hybrid import (GatedDeltaCache, GDNWrite, ReplayRollback, TapeRollback, _project_qwen3_5,
+                     _project_qwen3_next)
+from .rotating import WindowKVCache
+
+
+# -- support ---------------------------------------------------------------------------------------------------
+def _is_gdn(target: TargetModel, c: Any) -> bool:
+    return target.family.gated_delta and isinstance(c, ArraysCache)
+
+
+def tree_support(target: TargetModel, cache: Sequence[Any]) -> Optional[str]:
+    """None when `tree_forward` works for this target and cache, else a one-line reason (callers use chains)."""
+    if target.stage_aware or split_into_stages(target.model) or type(target).forward is not TargetModel.forward:
+        return "target runs a pipeline stage or its own walk"
+    gemma4 = target.family.name == "gemma4"
+    if target.family.forward not in _known_walks():
+        return f"family '{target.family.name}' walks its layers its own way"
+    if len(cache) != target.num_layers and not (gemma4 and len(cache) < target.num_layers):
+        return "cache does not have one entry per layer"
+    offsets = set()
+    for i, c in enumerate(cache):
+        if _is_gdn(target, c):
+            if c.lengths is not None or c.left_padding is not None:
+                return "batched (length-padded) GatedDeltaNet cache"
+            if c[1] is not None and c[1].shape[0] != 1:
+                return "batch size of the cache is not 1"
+            continue
+        if type(c) not in (KVCache, WindowKVCache):
+            what = "quantized KV cache" if hasattr(c, "bits") else f"cache type {type(c).__name__}"
+            return f"{what} at layer {i} (trees need KVCache / WindowKVCache from TargetModel.make_cache())"
+        if c.keys is not None and c.keys.shape[0] != 1:
+            return "batch size of the cache is not 1"
+        offsets.add(c.offset)
+    if len(offsets) != 1:
+        return "no attention cache, or attention caches at different offsets"
+    for layer in target.layers:
+        for m in layer.modules():
+            if type(m).__name__ == "DynamicNTKScalingRoPE":  # computes with `offset` as a Python int
+                return "dynamic-NTK RoPE cannot take per-node offsets"
+    return None
+
+
+def _known_walks():
+    from .families import walk_layers
+    from .gemma import gemma4_forward
+
+    return (walk_layers, gemma4_forward)
+
+
+# -- the stand-in cache of an attention layer ------------------------------------------------------------------
+def _visible(c: Any) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+    """The real cache's rows any node may see, oldest first (a window cache: its last max_size - 1)."""
+    if c.keys is None or c.offset == 0:
+        return None, None
+    if isinstance(c, WindowKVCache):
+        k, v = c.keys_and_values()
+        n = min(k.shape[2], c.max_size - 1)
+        return k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
+    return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+
+
+class _TreeKV:
+    """What an mlx-lm attention sees as its cache during a tree pass (see module docstring)."""
+
+    def __init__(self, real: Any, offsets: mx.array):
+        self.real = real
+        self.offset = offsets  # [n+1]: one RoPE position per batch row
+        self.new: Optional[Tuple[mx.array, mx.array]] = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # keys: [n+1, heads, 1, d]; every row sees the cached rows, then all n+1 new ones (the mask picks).
+        self.new = (keys, values)
+        n = keys.shape[0]
+        ks, vs = keys.transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3)
+        pk, pv = _visible(self.real)
+        if pk is not None:
+            ks, vs = mx.concatenate([pk, ks], axis=2), mx.concatenate([pv, vs], axis=2)
+        # SDPA wants equal batch sizes for queries and keys.
+        return (mx.broadcast_to(ks, (n, *ks.shape[1:])), mx.broadcast_to(vs, (n, *vs.shape[1:])))
+
+
+def _mask(c: Any, offset: int, depth: np.ndarray, anc: np.ndarray) -> mx.array:
+    """Boolean [n+1, 1, 1, S+n+1]: the cached rows (within the window), then ancestors-or-self."""
+    n1 = len(depth)
+    pk, _ = _visible(c)
+    cached = 0 if pk is None else pk.shape[2]
+    kpos = np.concatenate([np.arange(offset - cached, offset), offset + depth])
+    seen = np.concatenate([np.ones((n1, cached), bool), anc], axis=1)
+    if isinstance(c, WindowKVCache):  # a query at p sees keys at p - W + 1 .. p
+        qpos = offset + depth
+        seen &= kpos[None, :] > qpos[:, None] - c.max_size
+    return mx.array(seen[:, None, None, :])
+
+
+# -- GatedDeltaNet along the tree ------------------------------------------------------------------------------
+@dataclass
+class _GDNTree:
+    conv_state: Optional[mx.array]  # [1, K-1, C] before the pass (None: fresh cache)
+    state: Optional[mx.array]  # [1, Hv, Dv, Dk] before the pass
+    qkv: mx.array  # [n+1, C]: pre-conv inputs per node
+    q: mx.array  # [n+1, 1, Hk, Dk] (normalized)
+    k: mx.array
+    v: mx.array  # [n+1, 1, Hv, Dv]
+    a: mx.array  # [n+1, 1, Hv]
+    b: mx.array
+    states: List[mx.array]  # per depth level: [nodes at that depth, Hv, Dv, Dk]
+    A_log: mx.array
+    dt_bias: mx.array
+    use_kernel: bool
+    conv_keep: int  # K - 1
+    after: Any  # the cache's state array the pass read (a commit checks it is still there)
+
+
+def _conv_index(parents: Sequence[int], keep: int) -> np.ndarray:
+    """[n+1, keep+1] rows of concat(conv state (keep rows), node inputs) forming each node's conv window."""
+    idx = np.zeros((len(parents), keep + 1), np.int64)
+    for i in range(len(parents)):
+        cur = keep + i
+        for j in range(keep, -1, -1):
+            idx[i, j] = cur
+            if cur >= keep:  # a node: its parent, or the root's predecessor, the conv state's last row
+                cur = keep + parents[cur - keep] if cur > keep else keep - 1
+            else:
+                cur -= 1
+    return idx
+
+
+def _gdn_tree(attn: nn.Module, x: mx.array, cache: Any, parents: Sequence[int], levels: List[List[int]]):
+    """GatedDeltaNet over the tree's nodes (x: [n+1, 1, D]); returns (output, record)."""
+    N = x.shape[0]
+    project = _project_qwen3_next if "in_proj_qkvz" in attn else _project_qwen3_5
+    qkv, z, b, a = project(attn, x)
+    keep = attn.conv_kernel_size - 1
+    prev_conv, prev_state = cache[0], cache[1]
+    conv_state = prev_conv if prev_conv is not None else mx.zeros((1, keep, attn.conv_dim), dtype=x.dtype)
+    table = mx.concatenate([conv_state[0], qkv[:, 0]], axis=0)
+    windows = table[mx.array(_conv_index(parents, keep))]  # [n+1, K, C]
+    conv_out = nn.silu(attn.conv1d(windows))  # [n+1, 1, C]
+    q, k, v = [
+        t.reshape(N, 1, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
+            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    use_kernel = not attn.training
+    # One recurrence step per depth level, each node from its parent's state (elementwise: the chain's numbers).
+    slot = {}
+    states, ys = [], []
+    for d, nodes in enumerate(levels):
+        if d == 0:
+            s_in = prev_state
+        else:
+            s_in = mx.take(states[d - 1], mx.array([slot[parents[i]] for i in nodes]), axis=0)
+        rows = mx.array(nodes)
+        y, s = gated_delta_update(q[rows], k[rows], v[rows], a[rows], b[rows], attn.A_log, attn.dt_bias, s_in,
+                                  None, use_kernel=use_kernel)
+        slot.update({i: j for j, i in enumerate(nodes)})
+        states.append(s)
+        ys.append(y)
+    order = [i for nodes in levels for i in nodes]
+    inverse = np.argsort(np.array(order))
+    out = mx.take(mx.concatenate(ys, axis=0), mx.array(inverse), axis=0)  # [n+1, 1, Hv, Dv]
+    out = attn.norm(out, z)
+    out = attn.out_proj(out.reshape(N, 1, -1))
+    group = getattr(attn, "sharding_group", None)
+    if group is not None:
+        out = mx.distributed.all_sum(out, group=group)
+    record = _GDNTree(prev_conv, prev_state, qkv[:, 0], q, k, v, a, b, states, attn.A_log, attn.dt_bias,
+                      use_kernel, keep, prev_state)
+    return out, record
+
+
+# -- the pass --------------------------------------------------------------------------------------------------
+@dataclass
+class TreeWrite:
+    """What a tree pass computed that `commit_path` needs: the tree, and per layer its new rows or GDN record."""
+
+    parents: Tuple[int, ...]
+    depths: Tuple[int, ...]
+    offset: int  # cache offset at the pass (the root's position)
+    layers: List[Any] = field(default_factory=list)  # (keys, values) [n+1, h, 1, d] | _GDNTree
+    slots: Dict[int, int] = field(default_factory=dict)  # node -> index in its depth level's states
+
+
+def _check_parents(parents: Sequence[int]) -> Tuple[int, ...]:
+    parents = tuple(int(p) for p in parents)
+    if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+        raise DFlashError(f"bad tree parents {list(parents)}: need parents[0] == -1 and 0 <= parents[i] < i")
+    return parents
+
+
+def _walk(target, ids, cache, offsets, mask_for, parents, levels, write):
+    """`families.walk_layers` over the batch of nodes, with stand-in caches and tree masks."""
+    lm, inner, family = target.lm, target.inner, target.family
+    h = family.embed(lm, inner, ids)  # [n+1, 1, H]: one sequence per node
+    kept = {}
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        if _is_gdn(target, c):  # hybrid.hybrid_call_layer, with the GatedDeltaNet run along the tree
+            r, rec = _gdn_tree(layer.linear_attn, layer.input_layernorm(h), c, parents, levels)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            write.layers.append(rec)
+        else:
+            stand_in = _TreeKV(c, offsets)
+            h = family.call_layer(layer, h, mask_for(c), stand_in)
+            write.layers.append(stand_in.new)
+        if i in target.tap_layer_ids:
+            kept[i] = h
+    return h, kept
+
+
+def _walk_gemma4(target, ids, cache, offsets, mask_for, parents, levels, write):
+    """`gemma.gemma4_forward` over the batch of nodes: KV-shared layers reuse their source layer's rows and mask."""
+    inner = target.inner
+    n = len(inner.layers)
+    embeddings = inner.embed_tokens(ids)
+    h = embeddings * inner.embed_scale
+    per_layer: List[Optional[mx.array]] = [None] * n
+    if inner.hidden_size_per_layer_input:
+        inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids, embeddings))
+        per_layer = [inputs[:, :, i, :] for i in range(n)]
+    cache = list(cache) + [None] * (n - len(cache))
+    shared: List[Tuple[Any, Any]] = [(None, None)] * n
+    layer_masks: List[Any] = [None] * n
+    kept = {}
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        src = inner.previous_kvs[i]
+        kvs, off = shared[src]
+        stand_in = None if c is None else _TreeKV(c, offsets)
+        layer_masks[i] = layer_masks[src] if c is None else mask_for(c)
+        h, kvs, off = layer(h, layer_masks[i], stand_in, per_layer_input=per_layer[i], shared_kv=kvs, offset=off)
+        shared[i] = (kvs, off)
+        if stand_in is not None:
+            write.layers.append(stand_in.new)
+        if i in target.tap_layer_ids:
+            kept[i] = h
+    return h, kept
+
+
+def tree_forward(target: TargetModel, ids: mx.array, parents: Sequence[int], cache: Sequence[Any]
+                 ) -> Tuple[mx.array, mx.array, TreeWrite]:
+    """Logits [1, n+1, V] and tapped hidden [1, n+1, nH] of every tree node, as a chain pass of its root-to-node
+    path would give them; the caches are left as they were (see module docstring)."""
+    reason = tree_support(target, cache)
+    if reason is not None:
+        raise DFlashError(f"tree verify not supported: {reason}")
+    parents = _check_parents(parents)
+    n1 = len(parents)
+    if ids.shape != (1, n1):
+        raise DFlashError(f"tree ids have shape {ids.shape}, expected (1, {n1})")
+    depths = [0] * n1
+    anc = np.eye(n1, dtype=bool)
+    for i in range(1, n1):
+        depths[i] = depths[parents[i]] + 1
+        anc[i] |= anc[parents[i]]
+    depth = np.array(depths)
+    levels = [[i for i in range(n1) if depths[i] == d] for d in range(max(depths) + 1)]
+    offset = next(c.offset for c in cache if not _is_gdn(target, c))
+    offsets = mx.array(offset + depth, dtype=mx.int32)
+    write = TreeWrite(parents, tuple(depths), offset)
+    write.slots = {i: j for nodes in levels for j, i in enumerate(nodes)}
+
+    masks: Dict[Tuple, mx.array] = {}
+
+    def mask_for(c: Any) -> mx.array:  # layers whose caches hold the same rows share one mask
+        key = (type(c), getattr(c, "max_size", None), c.offset, getattr(c, "_idx", None))
+        if key not in masks:
+            masks[key] = _mask(c, offset, depth, anc)
+        return masks[key]
+
+    walk = _walk_gemma4 if target.family.name == "gemma4" else _walk
+    with target.verify_qmm:
+        h, kept = walk(target, ids.reshape(n1, 1), cache, offsets, mask_for, parents, levels, write)
+        logits = target.head(target.inner.norm(h))
+    feats = [kept[i] for i in target.tap_layer_ids]
+    hidden = mx.concatenate(feats, axis=-1) if len(feats) > 1 else (feats[0] if feats else h[..., :0])
+    return logits.reshape(1, n1, logits.shape[-1]), hidden.reshape(1, n1, hidden.shape[-1]), write
+
+
+# -- commit ----------------------------------------------------------------------------------------------------
+def _check_path(write: TreeWrite, path: Sequence[int]) -> List[int]:
+    path = [int(s) for s in path]
+    ok = bool(path) and path[0] == 0 and all(
+        0 < s < len(write.parents) and write.parents[s] == p for p, s in zip(path, path[1:]))
+    if not ok:
+        raise DFlashError(f"path {path} is not a root-first chain of this tree (parents {list(write.parents)})")
+    return path
+
+
+def _commit_gdn(c: Any, rec: _GDNTree, write: TreeWrite, path: List[int]) -> None:
+    m, rows = len(path), mx.array(path)
+    qkv = rec.qkv[rows][None]  # [1, m, C]
+    # As the chain does it: a fresh cache's conv window is zeros.
+    conv_state = rec.conv_state
+    if conv_state is None:
+        conv_state = mx.zeros((1, rec.conv_keep, qkv.shape[-1]), dtype=qkv.dtype)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    last = path[-1]
+    c[0] = mx.contiguous(conv_input[:, -rec.conv_keep :, :])
+    c[1] = rec.states[write.depths[last]][write.slots[last]][None]
+    c.advance(m)
+    if isinstance(c, GatedDeltaCache):
+        record = None
+        # The replay restore is exact for this write (elementwise steps); other schemes get no record, so a
+        # later rollback of this write refuses loudly instead of being wrong.
+        if type(c.rollback) in (ReplayRollback, TapeRollback) and m <= c.rollback.max_record_tokens:
+            def chain(t):  # [n+1, 1, ...] -> the path's [1, m, ...]
+                return t[rows].swapaxes(0, 1)
+
+            record = GDNWrite(rec.conv_state, rec.state, conv_input, chain(rec.q), chain(rec.k), chain(rec.v),
+                              chain(rec.a), chain(rec.b), rec.A_log, rec.dt_bias, None, kept=m,
+                              use_kernel=rec.use_kernel, tape=None)
+        c.record(record)
+
+
+def commit_path(target: TargetModel, cache: Sequence[Any], write: TreeWrite, path: Sequence[int]) -> None:
+    """Write the tree path `path` (block slots, root first) into `cache` as one chain write of those tokens."""
+    path = _check_path(write, path)
+    if len(write.layers) != len(cache):
+        raise DFlashError("tree write and cache have different numbers of layers")
+    # Refuse a stale write: the caches must be exactly as the tree pass read them.
+    for c, rec in zip(cache, write.layers):
+        stale = (rec.after is not c[1]) if isinstance(rec, _GDNTree) else (c.offset != write.offset)
+        if stale:
+            raise DFlashError("the cache changed since this tree pass; commit its path right after the pass")
+    rows = mx.array(path)
+    for c, rec in zip(cache, write.layers):
+        if isinstance(rec, _GDNTree):
+            _commit_gdn(c, rec, write, path)
+        else:
+            keys, values = rec
+            c.update_and_fetch(keys[rows].transpose(2, 1, 0, 3), values[rows].transpose(2, 1, 0, 3))

@@ -1,0 +1,115 @@
+"""Draft trees end to end: greedy DFlash with DDTree passes (`tree_budget`) equals mlx-lm's own greedy decoding on
+every target family, at several budgets and block sizes, with siblings actually accepted; seeded sampling
+reproduces; a batch and an unsupported target verify chains."""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Sequence
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from cache_compare import VOCAB, WINDOW, prompt, shared
+from dflash_mlx.decode.loop import dflash_generate_step
+from dflash_mlx.decode.proposal import TreeProposal
+from dflash_mlx.drafters.oracle import OracleDrafter
+from dflash_mlx.targets import TargetModel
+
+MAX_TOKENS = 24
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss", "gemma3_text", "qwen3_moe", "deepseek_v3")
+LENGTH = 3 * WINDOW - 1  # longer than the sliding window
+
+
+@functools.lru_cache(maxsize=None)
+def greedy(kind: str, length: int) -> List[int]:
+    ids = mx.array(prompt(length, seed=length), dtype=mx.int32)
+    return [int(t) for t, _ in generate_step(ids, shared(kind), max_tokens=MAX_TOKENS)]
+
+
+class RunnerUpOracle(OracleDrafter):
+    """Knows the continuation but ranks it second at every position p with p % every == 0 (first: a wrong token),
+    so a chain stops there while a tree with a second child per level goes on."""
+
+    def __init__(self, sequence: Sequence[int], block_size: int, every: int):
+        super().__init__(sequence, VOCAB, block_size, VOCAB - 1)
+        self.every = every
+
+    def __call__(self, block_ids, cache):
+        start, block = cache[0].offset, block_ids.shape[1]
+        rows = []
+        for p in range(start + 1, start + block):
+            tok = self.sequence[p] if p < len(self.sequence) else 0
+            row = mx.full((VOCAB,), -30.0)
+            if p % self.every == 0:
+                row[(tok + 1) % VOCAB] = 30.0
+                row[tok] = 29.0
+            else:
+                row[tok] = 30.0
+                row[(tok + 7) % VOCAB] = 29.0
+            rows.append(row)
+        return mx.stack(rows)[None]
+
+
+def run(t, ids, drafter, **options):
+    tokens, passes = [], []
+    for p in dflash_generate_step(mx.array(list(ids), dtype=mx.int32), t, drafter, max_tokens=MAX_TOKENS,
+                                  **options):
+        tokens += p.tokens
+        passes.append(p)
+    return tokens, passes[1:]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_tree_passes_are_lossless(kind):
+    ref = greedy(kind, LENGTH)
+    ids = prompt(LENGTH, seed=LENGTH)
+    t = TargetModel(shared(kind))
+    for block_size, budget in ((4, 1), (4, 6), (8, 3), (8, 16)):
+        drafter = RunnerUpOracle(ids + ref, block_size, every=3)
+        out, passes = run(t, ids, drafter, width=block_size, tree_budget=budget)
+        assert out == ref, (kind, block_size, budget)
+        assert all(p.width <= budget + 1 for p in passes)
+    # A budget that reaches the runner-up at depth 3 (DDTree ranks it 10th) accepts past every spoiled position,
+    # where the chain stops before it.
+    out, passes = run(t, ids, RunnerUpOracle(ids + ref, 4, every=3), width=4, tree_budget=10)
+    chain_out, chain = run(t, ids, RunnerUpOracle(ids + ref, 4, every=3), width=4)
+    assert out == chain_out == ref
+    assert [p.accepted for p in passes[1:-1]] == [3] * (len(passes) - 2)
+    assert max(p.accepted for p in chain) == 2 and len(passes) < len(chain)
+
+
+def test_tree_budget_auto_is_lossless_and_tries_every_arm():
+    kind = "qwen3_5"
+    ref = greedy(kind, LENGTH)
+    ids = prompt(LENGTH, seed=LENGTH)
+    t = TargetModel(shared(kind))
+    out, passes = run(t, ids, RunnerUpOracle(ids + ref, 8, every=4), tree_budget="auto")
+    assert out == ref
+    assert {p.width for p in passes} >= {5, 9}  # trees of budget 4 and 8 ran besides chains
+
+
+def test_seeded_sampling_with_trees_reproduces():
+    from dflash_mlx.decode.acceptance import make_acceptor
+    kind = "qwen3_moe"
+    ids = prompt(LENGTH, seed=LENGTH)
+    t = TargetModel(shared(kind))
+    ref = greedy(kind, LENGTH)
+    outs = []
+    for _ in range(2):
+        acceptor = make_acceptor(temp=0.8, seed=3)
+        out, passes = run(t, ids, RunnerUpOracle(ids + ref, 4, every=3), width=4, tree_budget=6, acceptor=acceptor)
+        outs.append(out)
+    assert outs[0] == outs[1]
+
+
+def test_proposal_is_a_tree():
+    from dflash_mlx.decode.acceptance import GreedyAcceptor
+    from dflash_mlx.decode.tree import propose_tree
+    logits = mx.zeros((3, VOCAB))
+    logits[:, 5] = 3.0
+    logits[:, 6] = 2.0
+    proposal = propose_tree(logits, GreedyAcceptor(), 4)
+    assert isinstance(proposal, TreeProposal) and proposal.width == 5
+    assert all(p <= i for i, p in enumerate(proposal.parents))
