@@ -49,7 +49,7 @@ DRAFTS = (1, 2, 3, 5)
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "mtp"
 _NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "norm.weight", ".q_norm.weight",
           ".k_norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
-RESIDUAL, MTP_RESIDUAL, HEAD_SCALE, FC_HIDDEN = 0.02, 0.05, 1.0, 0.05  # residual branch scales; the head's logit scale
+RESIDUAL, MTP_RESIDUAL, HEAD_SCALE, FC_HIDDEN = 0.2, 0.2, 1.0, 0.3  # residual branch scales; the head's logit scale
 _RESIDUAL_OUT = ("o_proj.weight", "out_proj.weight", "down_proj.weight")  # the residual branches' last matrices
 
 
@@ -58,7 +58,8 @@ def _draw(module: nn.Module, rng: np.random.Generator, residual: float) -> None:
     new = []
     for name, p in tree_flatten(module.parameters()):
         z = rng.standard_normal(p.shape).astype(np.float32)
-        v = 1.0 + 0.2 * z if name.endswith(("norm.weight", "scale")) else z / np.sqrt(p.shape[-1])
+        norm = p.ndim == 1 and "norm" in name.split(".")[-2]
+        v = 1.0 + 0.2 * z if norm else z / np.sqrt(p.shape[-1])
         if name.endswith(_RESIDUAL_OUT):
             v = v * residual
         new.append((name, mx.array(v)))
@@ -171,7 +172,12 @@ def reference_decode(folder: Path, kind: str, prompt: List[int], max_tokens: int
     ours, _ = mlx_lm_load(str(folder))  # the target as mlx-lm sanitizes it: the same weights for both
     config = json.loads((folder / "config.json").read_text())
     text_cls, module = (MoeText, moe) if kind == "qwen3_5_moe" else (DenseText, dense)
-    lm = module.LanguageModel(text_cls.from_dict(config["text_config"]))
+    from types import SimpleNamespace
+
+    # Text only: token ids beyond the vocabulary for the image markers, so no prompt position is an image's.
+    vlm = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2), image_token_id=10**6,
+                          video_token_id=10**6 + 1, vision_start_token_id=10**6 + 2)
+    lm = module.LanguageModel(text_cls.from_dict(config["text_config"]), vlm)
     lm.load_weights(tree_flatten(ours.language_model.parameters()), strict=True)
     splitter = Qwen3NextMTPSplitter() if kind == "qwen3_next" else Qwen3_5MTPSplitter()
     draft_config, weights = splitter.prepare(folder)

@@ -113,3 +113,26 @@ def test_proposal_is_a_tree():
     proposal = propose_tree(logits, GreedyAcceptor(), 4)
     assert isinstance(proposal, TreeProposal) and proposal.width == 5
     assert all(p <= i for i, p in enumerate(proposal.parents))
+
+
+def test_lookup_trees_are_lossless():
+    from dflash_mlx.decode.generation import Generation
+    from dflash_mlx.decode.lookup import LookupIndex
+    from dflash_mlx.decode.proposers.lookup import LookupProposer
+    from dflash_mlx.decode.state import DecodeState
+
+    # Branches: the suffix [1, 2] occurred twice before, followed by 3 and by 7.
+    index = LookupIndex()
+    index.extend([1, 2, 3, 4, 9, 1, 2, 7, 8, 5, 1, 2])
+    tree = LookupProposer(index).propose_tree(None, None, 3, 4, None)
+    assert isinstance(tree, TreeProposal) and sorted(tree.tokens.tolist()[:2]) == [3, 7]
+    for kind in ("qwen3_5", "gpt_oss", "qwen3_moe"):
+        ids = prompt(LENGTH, seed=LENGTH)
+        t = TargetModel(shared(kind))
+        ref = greedy(kind, LENGTH)
+        out, sources = [], set()
+        with Generation(t, None, ids, max_tokens=MAX_TOKENS, lookup=True, tree_budget=6) as generation:
+            for p in generation:
+                out += p.tokens
+                sources.add(p.source)
+        assert out == ref, kind

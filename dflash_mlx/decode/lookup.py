@@ -16,7 +16,7 @@ O(new tokens) per pass however long the conversation grows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 class DraftMethod(str):
     """A drafting method that needs no drafter model, by its command-line name: what `load(..., drafter="lookup")`
@@ -72,6 +72,10 @@ class LookupIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 follow[tuple(seq[end - n : end])] = end
             seq.append(int(t))
+
+    def occurred(self, ngram: Sequence[int]) -> bool:
+        """Whether `ngram` (min_n..max_n tokens) occurred earlier, followed by a token."""
+        return tuple(ngram) in self._follow
 
     def propose(self, limit: int) -> Optional[LookupDraft]:
         """Up to `limit` tokens that followed the longest recent match of the newest suffix, or None."""

@@ -74,7 +74,9 @@ class Planner:
             return Plan(PLAIN, 1)
         if self.choice is not None and self.choice.source == LOOKUP:
             copied = self.choice.lookup_tokens[: width - 1]
-            return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied))
+            # A fixed tree budget lets lookup branch too: the continuations of several earlier occurrences.
+            budget = self.trees.budget if isinstance(self.trees, FixedBudget) else None
+            return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied), budget=budget)
         # Any other pass wider than 1 is the drafting proposer's (the choice calls it DFLASH); without one, plain.
         if not self.drafting:
             return Plan(PLAIN, 1)
@@ -97,9 +99,9 @@ class Planner:
                budget: Optional[int] = None) -> None:
         """One finished pass: its width (rows verified), drafts accepted and seconds since the previous pass
         ended; `source` its proposer, `budget` its tree budget (None: a chain)."""
-        if budget is None:
+        if budget is None or source == LOOKUP:  # a lookup tree is still lookup's pass for the source choice
             self.widths.record(width, accepted, seconds)
-        if self.trees is not None and (budget is not None or source == self.drafting_source):
+        if self.trees is not None and source == self.drafting_source:
             self.trees.record(budget, accepted + 1, seconds, width)
 
 
@@ -125,7 +127,7 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
     planner = _width_planner(drafting=drafting, width=width, policy=policy, max_width=max_width, lookup=lookup,
                              lookup_width=lookup_width, reproducible=reproducible,
                              shared=None if tree_budget is not None else shared)
-    if tree_budget is not None and drafting is not None and planner.drafting:
+    if tree_budget is not None and (planner.drafting or planner.choice is not None):
         planner.trees = tree_chooser(tree_budget, reproducible)
     return planner
 

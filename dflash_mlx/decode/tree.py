@@ -132,7 +132,7 @@ def lookup_tree(index: LookupIndex, widest: int, branches: int) -> Optional[Tree
         return None
     context = None
     for n in range(min(index.max_n, end - 1), index.min_n - 1, -1):
-        if index._follow.get(tuple(seq[end - n :])) is None:  # the index knows in O(1) whether any occurred
+        if not index.occurred(seq[end - n :]):  # the index knows in O(1) whether any occurred
             continue
         # Earlier occurrences, most recent first: the n-grams of seq[:-1] equal to the suffix, by the index of the
         # token that followed each (what it proposes, possibly running into the suffix itself).
