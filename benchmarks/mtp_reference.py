@@ -49,7 +49,7 @@ DRAFTS = (1, 2, 3, 5)
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "mtp"
 _NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "norm.weight", ".q_norm.weight",
           ".k_norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
-RESIDUAL, MTP_RESIDUAL, HEAD_SCALE, FC_HIDDEN = 0.2, 0.2, 1.0, 0.3  # residual branch scales; the head's logit scale
+RESIDUAL, MTP_RESIDUAL, HEAD_SCALE, FC_HIDDEN = 0.2, 0.5, 1.0, 2.0  # residual branch scales; the head's logit scale
 _RESIDUAL_OUT = ("o_proj.weight", "out_proj.weight", "down_proj.weight")  # the residual branches' last matrices
 
 
@@ -198,6 +198,29 @@ def reference_decode(folder: Path, kind: str, prompt: List[int], max_tokens: int
     return tokens, [int(a) for a in draft.accept_lens]
 
 
+def reference_mtp_argmax(folder: Path, kind: str, prompt: List[int]) -> List[int]:
+    """The reference MTP block alone (its own loader, from the checkpoint) over the prompt: argmax of the head
+    at every position, given (target's final-normed hidden at t, token t+1). Runs for every kind."""
+    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import Model as DraftModel
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import ModelConfig as DraftConfig
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.split import Qwen3_5MTPSplitter, Qwen3NextMTPSplitter
+
+    model, _ = mlx_lm_load(str(folder))
+    splitter = Qwen3NextMTPSplitter() if kind == "qwen3_next" else Qwen3_5MTPSplitter()
+    draft_config, weights = splitter.prepare(folder)
+    draft = DraftModel(DraftConfig.from_dict(draft_config))
+    draft.load_weights(list(weights.items()), strict=True)
+    draft.bind(model)
+    lm = getattr(model, "language_model", model)
+    ids = mx.array([prompt], dtype=mx.int32)
+    hidden = lm.model(ids)  # final-normed, as the reference's targets hand it over
+    T = len(prompt) - 1
+    out = draft._forward_hidden(draft._input_embed(ids[:, 1:]), hidden[:, :T], draft.make_cache(),
+                                mx.arange(T)[None])
+    return mx.argmax(draft._lm_head_fn(out)[0], axis=-1).tolist()
+
+
 def plain_greedy(folder: Path, prompt: List[int], max_tokens: int) -> List[int]:
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load as mlx_lm_load
@@ -211,18 +234,20 @@ def main() -> None:
     import tempfile
 
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    kinds = sys.argv[1:] or [k for k in KINDS if k != "qwen3_next"]
-    for kind in kinds:
+    for kind in sys.argv[1:] or KINDS:
         with tempfile.TemporaryDirectory() as tmp:
             folder = save_checkpoint(kind, Path(tmp) / kind)
             plain = plain_greedy(folder, PROMPT, MAX_TOKENS)
+            mtp_argmax = reference_mtp_argmax(folder, kind, PROMPT + plain)
             runs = {}
-            for k in DRAFTS:
+            # The reference's qwen3_next target hands over no hidden states: its MTP decoding does not run.
+            for k in DRAFTS if kind != "qwen3_next" else ():
                 tokens, accepted = reference_decode(folder, kind, PROMPT, MAX_TOKENS, k)
                 runs[str(k)] = {"tokens": tokens, "accepted": accepted}
                 print(f"{kind} k={k}: lossless={tokens == plain} passes={len(accepted)} "
                       f"accepted={sum(accepted)}/{sum(min(k, len(tokens)) for _ in accepted)}")
         record = {"kind": kind, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "plain": plain, "runs": runs,
+                  "mtp_argmax": mtp_argmax,
                   "reference": "mlx-vlm 0.7.10 speculative.mtp._mtp_rounds, greedy, unchunked prefill"}
         (FIXTURES / f"{kind}.json").write_text(json.dumps(record, separators=(",", ":")) + "\n")
 

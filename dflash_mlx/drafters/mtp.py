@@ -123,9 +123,8 @@ class MTPDrafter(nn.Module):
     def bind(self, binding) -> "MTPDrafter":
         """Borrow the target's embedding and head (a `TargetBinding`); the final norm from its source target."""
         self.binding = binding
-        inner = getattr(getattr(binding, "source", None), "inner", None)
-        norm = getattr(inner, "norm", None) or self.target.norm
-        self.target = _Borrowed(binding.embed, binding.head, norm)
+        norm = getattr(getattr(getattr(binding, "source", None), "inner", None), "norm", None)
+        self.target = _Borrowed(binding.embed, binding.head, self.target.norm if norm is None else norm)
         return self
 
     def make_cache(self) -> List[Any]:
@@ -182,7 +181,7 @@ class MTPDrafter(nn.Module):
         n = min(pending.rows, len(pending.tokens))
         if n == 0:
             return
-        if self.target.embed is None:
+        if self.target.embed is None or self.target.norm is None:
             raise RuntimeError("MTP drafter is not bound to a target; call drafter.bind(...) first")
         rows = pending.hidden[:, :n]
         ids = mx.array([pending.tokens[:n]], dtype=mx.int32)
@@ -190,6 +189,12 @@ class MTPDrafter(nn.Module):
         pending.seed = out[:, -1:]
         pending.hidden = pending.hidden[:, n:] if pending.rows > n else None
         pending.tokens = pending.tokens[n:]
+
+    def drop_newest(self, cache: List[Any], n: int) -> None:
+        """Take back the newest `n` rows and tokens (not run yet): an observed pass undone."""
+        pending = cache[-1]
+        pending.hidden = pending.hidden[:, :-n] if pending.rows > n else None
+        pending.tokens = pending.tokens[:-n] if n else pending.tokens
 
     def drop_pairs(self, cache: List[Any], n: int) -> None:
         """Forget the oldest `n` waiting (row, token) pairs: the MTP already holds entries for their positions."""

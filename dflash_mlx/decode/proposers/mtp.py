@@ -92,6 +92,11 @@ class MTPProposer:
         if keep:
             self.drafter.drop_pairs(cache, keep)  # those positions are in the cache as chain entries
 
+    def unobserve(self, state: DecodeState, tokens: int) -> None:
+        """Forget the newest `tokens` observed (a pass of another proposer taken back after it was observed):
+        their pairs still wait, unrun, until the next proposal."""
+        self.drafter.drop_newest(state.draft_cache, tokens)
+
     def withdraw(self, state: DecodeState, proposal: Proposal) -> None:
         undo = self._undo
         if undo is None or undo.tokens is not proposal.tokens:
