@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from ..decode.generation import Generation
-from ..decode.state import DecodeState, prefill
+from ..decode.state import DecodeState, prefill_alone
 from ..decode.step import Pass
 from ..drafters.oracle import OracleDrafter
 from ..targets import TargetModel
@@ -211,7 +211,7 @@ every pass by measured speed).
                                     self.mask_token_id or 0)
         state = DecodeState.fresh(self.target, drafter)
         if len(ids) > 1:
-            prefill(self.target, drafter, mx.array(ids[:-1], dtype=mx.int32), state, PREFILL_STEP)
+            prefill_alone(self.target, drafter, mx.array(ids[:-1], dtype=mx.int32), state, PREFILL_STEP)
         # Rejection sampling when temp > 0; a seeded sampled run chooses its widths from acceptance alone, so the
         # seed reproduces it (the rule every front end gets from `Generation`).
         generation = Generation(self.target, drafter, ids[-1:], max_tokens=max_tokens,
@@ -258,7 +258,7 @@ def draft_costs(target: TargetModel, drafter, ids: Sequence[int], widths: Sequen
     unchanged, so the same context serves every repeat. The widths take turns within each repeat.
     """
     state = DecodeState.fresh(target, drafter)
-    prefill(target, drafter, mx.array(list(ids), dtype=mx.int32), state, PREFILL_STEP)
+    prefill_alone(target, drafter, mx.array(list(ids), dtype=mx.int32), state, PREFILL_STEP)
     mask = drafter.mask_token_id
     widths = sorted(w for w in set(widths) if w > 1)
     times: Dict[int, List[float]] = {w: [] for w in widths}

@@ -25,6 +25,7 @@ class DraftMethod(str):
 
 
 LOOKUP_ONLY = DraftMethod("lookup")  # `--draft lookup`, `drafter="lookup"`: prompt lookup alone
+MTP_HEADS = DraftMethod("mtp")  # `--draft mtp`, `load(target, drafter="mtp")`: the target's own MTP layers
 
 
 def drafter_model(drafter) -> Tuple[Optional[object], bool]:

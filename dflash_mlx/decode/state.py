@@ -57,6 +57,17 @@ class DecodeState:
         return context
 
 
+def prefill_alone(target: TargetModel, drafter, prompt: mx.array, state: DecodeState, step_size: int = 2048,
+                  progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
+    """`prefill` for a caller that runs no pass step over it (a server's prefix cache, a benchmark's untimed
+    prompt): a drafter that pairs each hidden row with the token after it (MTP layers) is told the prompt's tokens
+    first, as the pass step's proposers are (`step.Decoder.start`)."""
+    add_tokens = getattr(drafter, "add_tokens", None)
+    if add_tokens is not None:
+        add_tokens(state.draft_cache, prompt.tolist())
+    return prefill(target, drafter, prompt, state, step_size, progress)
+
+
 def prefill(target: TargetModel, drafter, prompt: mx.array, state: DecodeState, step_size: int = 2048,
             progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
     """Run the prompt through the target in chunks, feeding each chunk's features to the drafter's cache.

@@ -36,6 +36,7 @@ from .proposal import LOOKUP, PLAIN, Proposal, TreeProposal
 from .proposers import Proposer
 from .proposers.dflash import DFlashProposer
 from .proposers.lookup import LookupProposer
+from .proposers.mtp import MTP, MTPProposer
 from .proposers.plain import PlainProposer
 from .state import DecodeState, prefill
 from .tree import verify_tree
@@ -86,13 +87,12 @@ class Launch:
 
 def drafting_proposer(drafter, proposer: Optional[Proposer] = None,
                       mask_token_id: Optional[int] = None) -> Optional[Proposer]:
-    """The proposer that fills passes wider than 1 when lookup does not: the one given, else the drafter's own
-    (`drafter.make_proposer()`, e.g. MTP heads), else the drafter's blocks (None: neither)."""
+    """The proposer that fills passes wider than 1 when lookup does not: the one given, else the one the drafter
+    names (`drafts_with`: "mtp" for a target's MTP layers), else the drafter's blocks (None: neither)."""
     if proposer is not None:
         return proposer
-    make_proposer = getattr(drafter, "make_proposer", None)
-    if make_proposer is not None:
-        return make_proposer()
+    if getattr(drafter, "drafts_with", None) == MTP:
+        return MTPProposer(drafter)
     return DFlashProposer(drafter, mask_token_id) if drafter is not None else None
 
 
@@ -294,4 +294,8 @@ class Decoder:
         self.state.drop_context(launch.kept)
         self.target.rollback(self.state.target_cache, launch.kept)
         self.proposers[launch.proposal.source].withdraw(self.state, launch.proposal)
+        for name, proposer in self.proposers.items():  # the others observed the pass: they forget it
+            unobserve = getattr(proposer, "unobserve", None)
+            if name != launch.proposal.source and unobserve is not None:
+                unobserve(self.state, launch.kept)
         self.state.last_token = launch.previous_token

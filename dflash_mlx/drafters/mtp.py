@@ -50,6 +50,7 @@ class MTPConfig:
     num_hidden_layers: int = 1  # MTP layers
     block_size: int = 3  # widest pass: block_size - 1 drafts (the reference's default: depth + 2)
     mask_token_id: Optional[int] = None  # the MTP drafts autoregressively: no mask token
+    needs_mask = False  # (class attribute) what the pairing check reads
     target_layer_ids: List[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -96,7 +97,10 @@ class _Borrowed:
 
 
 class MTPDrafter(nn.Module):
-    """The MTP block with the Drafter shape the engine expects; drafts through `make_proposer()`."""
+    """The MTP block with the Drafter shape the engine expects; its drafts come from `decode.proposers.mtp`
+    (`drafts_with` names that proposer)."""
+
+    drafts_with = "mtp"
 
     def __init__(self, config: MTPConfig, layer_class, layer_args):
         super().__init__()
@@ -129,11 +133,6 @@ class MTPDrafter(nn.Module):
 
     def make_cache(self) -> List[Any]:
         return [KVCache() for _ in self.layers] + [MTPPending()]
-
-    def make_proposer(self):
-        from ..decode.proposers.mtp import MTPProposer  # lazy: drafters/ does not import decode/ at import time
-
-        return MTPProposer(self)
 
     def append_context(self, target_hidden: mx.array, cache: List[Any]) -> None:
         """Hidden rows [1, S, H] of newly processed target positions (the prefill); the pairs whose token is known

@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import registry
 from ..drafters.dflash import DFlashDrafter, TargetBinding
 from ..dtypes import dtype_name  # noqa: F401  (re-exported: commands import it from here)
-from ..decode.lookup import LOOKUP_ONLY
+from ..decode.lookup import LOOKUP_ONLY, MTP_HEADS
 from ..errors import DFlashError
 from ..refs import is_repo_id
 from ..targets import TargetModel, build_target, supported_model_types
@@ -31,6 +31,9 @@ from ..targets.families import family_for
 from ..validate import check_model_dir
 from .hub import hub_failure
 from .pairing import check_pair
+
+
+MTP_BLOCK = 4  # widest pass with a target's MTP layers: up to 3 drafts (the planner narrows it where they miss)
 
 
 def check_family(local: Path, shown: str, unreadable: str = "has an unreadable config.json") -> None:
@@ -187,7 +190,9 @@ def load(
         path_or_hf_repo: the target: a registry name (`Qwen3.5-9B`, see `dflash-mlx models`), an offline model
             name, a local mlx-lm model directory, or a hub repo id.
         drafter: the drafter: a converted drafter dir, a z-lab checkpoint dir, or a hub repo id (converted
-            once and cached). Registry and offline names bring their own.
+            once and cached); "lookup" (no drafter: drafts copied from the context); "mtp" (the target's own
+            multi-token-prediction layers, read from its checkpoint: Qwen3.5/3.6 and Qwen3-Next ship them).
+            Registry and offline names bring their own.
         tokenizer_config: extra tokenizer options, as in `mlx_lm.load`.
         revision / draft_revision: hub revisions of the target and the drafter.
         quant: which MLX conversion of a registry model (e.g. "bf16", "8bit", "4bit").
@@ -211,6 +216,14 @@ def load(
                           f"'{path_or_hf_repo}' is a path or repo id")
     if drafter == LOOKUP_ONLY:  # lookup drafting alone: no drafter to load or pair
         return (*load_target(target_ref, tokenizer_config, revision), LOOKUP_ONLY)
+    if drafter == MTP_HEADS:  # the target's own MTP layers, read from its checkpoint
+        from ..drafters.mtp import load_mtp_drafter
+
+        model, tokenizer = load_target(target_ref, tokenizer_config, revision)
+        draft_model = load_mtp_drafter(target_ref, model, block_size=MTP_BLOCK, revision=revision)
+        draft_model.made_for = made_for
+        prepare(model, draft_model, probe=True)
+        return model, tokenizer, draft_model
     if drafter is None:
         raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target), or "
                           "drafter='lookup' to draft by copying from the context")

@@ -26,10 +26,10 @@ def check_pair(target: TargetModel, config: DFlashConfig) -> None:
             f"drafter was trained for a {config.num_target_layers}-layer target but this target has "
             f"{target.num_layers} layers; use the drafter published for this target"
         )
-    if config.mask_token_id is None:
+    if config.mask_token_id is None and getattr(config, "needs_mask", True):  # MTP layers draft without one
         raise DFlashError("drafter config has no mask_token_id (the token that fills a block's draft slots); "
                           "add it to the drafter's config.json")
-    if not 0 <= config.mask_token_id < target.vocab_size:
+    if config.mask_token_id is not None and not 0 <= config.mask_token_id < target.vocab_size:
         raise DFlashError(
             f"drafter mask_token_id {config.mask_token_id} is outside the target vocabulary (0..{target.vocab_size - 1})"
         )

@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..decode.batching import Batch, BatchedGeneration
 from ..decode.generation import Generation
 from ..decode.lookup import drafter_model
-from ..decode.state import DecodeState, prefill
+from ..decode.state import DecodeState, prefill_alone
 from ..decode.stats import AcceptanceStats
 from ..models.loading import prepare
 from ..targets.caches import can_trim
@@ -174,7 +174,7 @@ class Generator:
     def _advance(self, state: DecodeState, tokens: List[int]) -> None:
         """Run `tokens` through the target and into the drafter's context without generating (a prefill that
         stops at a message boundary)."""
-        prefill(self.target, self.drafter, mx.array(tokens, dtype=mx.int32), state, self.prefill_step_size)
+        prefill_alone(self.target, self.drafter, mx.array(tokens, dtype=mx.int32), state, self.prefill_step_size)
 
     def run(self, req: GenerationRequest, should_stop: Callable[[], bool] = lambda: False, batched: bool = False
             ) -> Iterator[Union[Delta, Outcome]]:
