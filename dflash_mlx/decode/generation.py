@@ -94,7 +94,8 @@ class Generation:
         self.proposer = drafting_proposer(drafter, proposer, mask_token_id)
         drafting = self.proposer is not None
         use_lookup = (drafting if lookup is None else bool(lookup)) and width is None and planner is None
-        self.adaptive = (drafting or use_lookup) and width is None
+        # A fixed tree budget drafts every pass however little is accepted (like a fixed width).
+        self.adaptive = (drafting or use_lookup) and width is None and not isinstance(tree_budget, int)
         # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
         reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
         if width is not None:

@@ -326,7 +326,7 @@ def load_mtp_drafter(model_path, target_model=None, block_size: int = 3,
         raise DFlashError(f"cannot read {folder / 'config.json'}: {e}") from e
     model_type = config.get("model_type")
     text = dict(config.get("text_config") or config)
-    num_layers = int(text.get("mtp_num_hidden_layers") or 0)
+    num_layers = int(text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers") or 0)
     if model_type not in MTP_FAMILIES:
         raise _no_mtp(f"target '{model_path}' ({model_type})")
     shards = _shards(folder)
