@@ -377,7 +377,8 @@ def bench(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Target: a local mlx-lm model dir, hub repo id or "
                               f"offline model name (default {DEFAULT_MODEL}).", show_default=False),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash drafter for method (c) (default: the "
-                                        "one shipped for an offline model, if any)."),
+                                        "one shipped for an offline model, if any); 'mtp': the target's own MTP "
+                                        "layers; 'lookup': drafts copied from the context alone."),
     ar_draft: Optional[str] = typer.Option(None, "--ar-draft", help="Autoregressive draft model for mlx-lm's "
                                            "speculative decoding, method (b)."),
     oracle: bool = typer.Option(False, "--oracle", help="Method (d): DFlash with the target's own greedy "

@@ -82,3 +82,15 @@ def test_checkpoint_without_mtp_is_one_line(tmp_path, capsys):
     assert main(["generate", "--model", str(folder), "--draft", "mtp", "-p", "hi", "--max-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no MTP layers" in err[0]
+
+
+def test_bench_runs_mtp_beside_plain_decoding(folder):
+    from dflash_mlx.bench import BenchConfig, format_table, run_bench
+
+    report = run_bench(BenchConfig(model=str(folder), draft="mtp", num_prompts=1, max_tokens=12, profile=False,
+                                   verify_prompts=0, warmup=False, progress=False, lookup=False,
+                                   chat_template=False, tree_budgets=["auto"]))
+    table = format_table(report)
+    rows = [line.split() for line in table.splitlines() if line.startswith(("mlx-lm", "mtp "))]
+    assert {" ".join(r[:-9]) for r in rows} == {"mlx-lm", "mtp adaptive", "mtp adaptive tree=auto", "mtp B=4"}
+    assert all(r[-1] == "1/1" for r in rows)  # every method's output equals plain decoding's

@@ -193,8 +193,9 @@ every pass by measured speed).
         self.lookup = lookup and adaptive
         self.oracle = drafter is None and not self.lookup
         self.kind = "oracle" if self.oracle else "dflash"
+        method = getattr(drafter, "drafts_with", None) or "dflash"  # "mtp": the target's own MTP layers
         label = label or ("oracle" if self.oracle else "lookup" if drafter is None
-                          else "dflash+lookup" if self.lookup else "dflash")
+                          else f"{method}+lookup" if self.lookup else method)
         name = f"{label} adaptive" if adaptive else f"{label} B={block}"
         super().__init__(name if tree_budget is None else f"{name} tree={tree_budget}", block)
         self.target, self.drafter, self.temp = target, drafter, temp

@@ -18,7 +18,8 @@ import mlx.core as mx
 from ..decode.sampling import check_seed
 from ..distributed import bench as ranks
 from ..errors import DFlashError
-from ..models.loading import load_target, prepare, resolve_target, shipped_drafter_for
+from ..decode.lookup import MTP_HEADS
+from ..models.loading import MTP_BLOCK, load_target, prepare, resolve_target, shipped_drafter_for
 from .methods import DFlashMethod, Method, PlainMethod, SpeculativeMethod, draft_costs, verify_costs
 from .prompts import encode_prompt, load_prompts
 from .report import summarize, write_chart, write_json
@@ -76,8 +77,8 @@ class BenchConfig:
             self.draft = shipped_drafter_for(self.model)
         if self.draft is None and self.ar_draft is None and not self.oracle:
             raise DFlashError("nothing to compare with plain decoding: give --draft, --ar-draft or --oracle")
-        if self.random_draft and self.draft is None:
-            raise DFlashError("--random-draft copies the shape of a drafter: give --draft too")
+        if self.random_draft and self.draft in (None, "lookup", "mtp"):
+            raise DFlashError("--random-draft copies the shape of a DFlash drafter: give --draft DIR too")
 
 
 def check_out_dir(out: Path) -> None:
@@ -118,7 +119,12 @@ def _build_methods(cfg: BenchConfig, model):
     from ..targets import build_target
 
     plain = PlainMethod(model, cfg.temp)
-    drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft and cfg.draft != "lookup" else None
+    if cfg.draft == MTP_HEADS:  # the target's own MTP layers, from the target's checkpoint
+        from ..drafters.mtp import load_mtp_drafter
+
+        drafter = load_mtp_drafter(resolve_target(cfg.model), model, block_size=max(cfg.block_sizes or [MTP_BLOCK]))
+    else:
+        drafter = load_drafter(cfg.draft, fastest=True) if cfg.draft and cfg.draft != "lookup" else None
     blocks = cfg.block_sizes or [drafter.block_size if drafter is not None else 16]
     others: List[Method] = []
     if cfg.ar_draft:
@@ -170,7 +176,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     encoded = [encode_prompt(tokenizer, p.text, cfg.chat_template) for p in prompts]
     ks = sorted(set(VERIFY_KS) | set(blocks) | {m.block for m in others})
     # The drafter whose drafting cost is measured: the real one (not the random one), if any.
-    drafted = next((m for m in others if m.kind == "dflash" and m.name.startswith("dflash")), None)
+    drafted = next((m for m in others if m.kind == "dflash" and m.name.startswith("dflash")
+                    and getattr(m.drafter, "drafts_with", None) is None), None)  # a DFlash block drafter
 
     if cfg.warmup:  # first calls pay for graph set-up and allocation; keep them out of the numbers
         warm = min(8, cfg.max_tokens)
