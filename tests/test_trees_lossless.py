@@ -11,21 +11,28 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from cache_compare import VOCAB, WINDOW, prompt, shared
+import tiny
+from cache_compare import CONFIGS, VOCAB, WINDOW, prompt, shared
 from dflash_mlx.decode.loop import dflash_generate_step
 from dflash_mlx.decode.proposal import TreeProposal
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
 
 MAX_TOKENS = 24
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss", "gemma3_text", "qwen3_moe", "deepseek_v3")
+# Hybrid GatedDeltaNet, MoE, sliding-window (gpt_oss, gemma3, llama_swa), MLA, shared-KV (gemma4) and dense.
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss", "gemma3_text", "gemma4_text", "qwen3_moe",
+            "deepseek_v3", "llama", "qwen2", "qwen3", "llama_swa")
+
+
+def model(kind: str):
+    return shared(kind) if kind in CONFIGS else tiny.target(kind)
 LENGTH = 3 * WINDOW - 1  # longer than the sliding window
 
 
 @functools.lru_cache(maxsize=None)
 def greedy(kind: str, length: int) -> List[int]:
     ids = mx.array(prompt(length, seed=length), dtype=mx.int32)
-    return [int(t) for t, _ in generate_step(ids, shared(kind), max_tokens=MAX_TOKENS)]
+    return [int(t) for t, _ in generate_step(ids, model(kind), max_tokens=MAX_TOKENS)]
 
 
 class RunnerUpOracle(OracleDrafter):
@@ -65,7 +72,7 @@ def run(t, ids, drafter, **options):
 def test_tree_passes_are_lossless(kind):
     ref = greedy(kind, LENGTH)
     ids = prompt(LENGTH, seed=LENGTH)
-    t = TargetModel(shared(kind))
+    t = TargetModel(model(kind))
     for block_size, budget in ((4, 1), (4, 6), (8, 3), (8, 16)):
         drafter = RunnerUpOracle(ids + ref, block_size, every=3)
         out, passes = run(t, ids, drafter, width=block_size, tree_budget=budget)
@@ -84,7 +91,7 @@ def test_tree_budget_auto_is_lossless_and_tries_every_arm():
     kind = "qwen3_5"
     ref = greedy(kind, LENGTH)
     ids = prompt(LENGTH, seed=LENGTH)
-    t = TargetModel(shared(kind))
+    t = TargetModel(model(kind))
     out, passes = run(t, ids, RunnerUpOracle(ids + ref, 8, every=4), tree_budget="auto")
     assert out == ref
     assert {p.width for p in passes} >= {5, 9}  # trees of budget 4 and 8 ran besides chains
@@ -94,7 +101,7 @@ def test_seeded_sampling_with_trees_reproduces():
     from dflash_mlx.decode.acceptance import make_acceptor
     kind = "qwen3_moe"
     ids = prompt(LENGTH, seed=LENGTH)
-    t = TargetModel(shared(kind))
+    t = TargetModel(model(kind))
     ref = greedy(kind, LENGTH)
     outs = []
     for _ in range(2):
@@ -128,7 +135,7 @@ def test_lookup_trees_are_lossless():
     assert isinstance(tree, TreeProposal) and sorted(tree.tokens.tolist()[:2]) == [3, 7]
     for kind in ("qwen3_5", "gpt_oss", "qwen3_moe"):
         ids = prompt(LENGTH, seed=LENGTH)
-        t = TargetModel(shared(kind))
+        t = TargetModel(model(kind))
         ref = greedy(kind, LENGTH)
         out, sources = [], set()
         with Generation(t, None, ids, max_tokens=MAX_TOKENS, lookup=True, tree_budget=6) as generation:
@@ -136,3 +143,49 @@ def test_lookup_trees_are_lossless():
                 out += p.tokens
                 sources.add(p.source)
         assert out == ref, kind
+
+
+def test_tree_budget_takes_the_fastest_arm_and_keeps_measuring():
+    from dflash_mlx.decode.budget import CHAIN, TreeBudget
+
+    speed = {CHAIN: 2.0, 4: 3.0, 8: 2.5, 16: 1.0}  # tokens per second of each arm
+    chooser = TreeBudget(warmup=2, explore_every=24)
+    chosen = []
+    for _ in range(200):
+        arm = chooser.choose()
+        chosen.append(arm)
+        chooser.record(arm, 3, 3 / speed[arm], 1 + (arm or 0))
+    assert chosen[:8] == [CHAIN, CHAIN, 4, 4, 8, 8, 16, 16]  # every arm measured first
+    late = chosen[100:]
+    assert late.count(4) >= len(late) - len(late) // 24 - 1  # the fastest, but for re-measurements
+    assert {CHAIN, 8, 16} & set(late)  # the others are still re-measured now and then
+
+
+def test_tree_budget_with_a_cost_model_ignores_the_clock():
+    from dflash_mlx.decode.budget import TreeBudget
+    from dflash_mlx.decode.width import nominal_cost
+
+    runs = []
+    for clock in (1.0, 100.0):
+        chooser, arms = TreeBudget(cost=nominal_cost), []
+        for i in range(60):
+            arm = chooser.choose()
+            arms.append(arm)
+            chooser.record(arm, 1 + (i % 3), clock * (i + 1), 1 + (arm or 0))
+        runs.append(arms)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("bad", [0, -3, "wide", 2.5, True])
+def test_bad_tree_budget_is_one_line(bad):
+    from dflash_mlx.errors import DFlashError
+    t = TargetModel(model("llama"))
+    with pytest.raises(DFlashError, match="tree_budget must be"):
+        run(t, [1, 2, 3], RunnerUpOracle([1, 2, 3] + [0] * 40, 4, every=3), tree_budget=bad)
+
+
+def test_cli_tree_budget_is_checked(capsys):
+    from dflash_mlx.cli import main
+    assert main(["generate", "-p", "hi", "--tree-budget", "many"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tree-budget" in err[0]
