@@ -189,3 +189,56 @@ def test_cli_tree_budget_is_checked(capsys):
     assert main(["generate", "-p", "hi", "--tree-budget", "many"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tree-budget" in err[0]
+
+
+def test_a_batch_verifies_chains_with_a_tree_budget():
+    from test_batching import KeyedOracle, _greedy_case, drive
+    from dflash_mlx.decode.batching import Batch, BatchedGeneration
+
+    kind = "qwen3"
+    prompts, limits, refs = _greedy_case(tiny.target(kind), kind)
+    _, t = tiny.make_drafter(tiny.target(kind), block_size=4)
+    batch = Batch(t, KeyedOracle([p + r for p, r in zip(prompts, refs)]))
+    gens = {i: BatchedGeneration(batch, p, max_tokens=m, tree_budget=b)
+            for i, (p, m, b) in enumerate(zip(prompts, limits, (4, "auto", None, 8)))}
+    out = drive(gens, join_after={2: 1, 3: 2})
+    assert [out[i] for i in range(len(refs))] == refs
+    assert all(g.planner.trees is None for g in gens.values())
+
+
+def test_an_unsupported_target_warns_once_and_verifies_chains():
+    class OwnWalk(TargetModel):  # a target class with a walk of its own: trees cannot run through it
+        def forward(self, ids, cache=None):
+            return super().forward(ids, cache)
+
+    kind = "llama"
+    ref = greedy(kind, LENGTH)
+    ids = prompt(LENGTH, seed=LENGTH)
+    with pytest.warns(UserWarning, match="draft trees are off"):
+        out, passes = run(OwnWalk(model(kind)), ids, RunnerUpOracle(ids + ref, 4, every=3), tree_budget=8)
+    assert out == ref and all(p.width <= 4 for p in passes)
+
+
+def test_lookup_trees_stay_within_max_tokens_and_the_lookup_width():
+    from dflash_mlx.decode.generation import Generation
+    from dflash_mlx.decode.lookup import LookupIndex
+    from dflash_mlx.decode.state import DecodeState
+
+    kind = "qwen3_moe"
+    t = TargetModel(model(kind))
+    ids = prompt(LENGTH, seed=LENGTH)
+    ref = greedy(kind, LENGTH)
+    for max_tokens, budget in ((3, 16), (MAX_TOKENS, 120)):
+        state = DecodeState.fresh(t)
+        index = LookupIndex()
+        # After the prompt and the first token, the newest suffix occurred twice before, followed differently.
+        other = [ref[0], (ref[1] + 1) % VOCAB, 5, 6]
+        index.extend(ids + ref[:4] + ids + other)
+        state.extra["lookup"] = index  # (a guess at what the context holds: drafts only)
+        out = []
+        with Generation(t, None, ids, max_tokens=max_tokens, lookup=True, tree_budget=budget, state=state,
+                        lookup_width=8) as generation:
+            for p in generation:
+                out += p.tokens
+                assert p.width <= max(budget, 8) + 1
+        assert out == ref[:max_tokens]

@@ -23,7 +23,7 @@ from typing import Callable, Generator, Optional, Sequence
 import mlx.core as mx
 
 from ..targets import TargetModel
-from .acceptance import Acceptor, GreedyAcceptor
+from .acceptance import Acceptor, GreedyAcceptor, SamplingAcceptor
 from .lookup import LookupIndex
 from .planner import Planner, planner_for
 from .proposers import Proposer
@@ -86,7 +86,8 @@ def dflash_generate_step(
     """
     drafting = drafting_proposer(drafter, proposer, mask_token_id)
     plan = planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
-                       lookup=lookup, tree_budget=tree_budget)
+                       lookup=lookup, tree_budget=tree_budget,
+                       reproducible=isinstance(acceptor, SamplingAcceptor))  # sampled: budgets by acceptance
     check_ready(drafting, plan)
     state = state or DecodeState.fresh(target, drafter)
     decoder = Decoder(target, drafter, proposers_for(drafting, lookup if plan.choice is not None else None), plan,

@@ -39,6 +39,7 @@ class Plan:
     width: int  # tokens to verify (1: a plain decoding step)
     offer: Optional[Offer] = None  # the chosen proposer's offer (lookup: the continuation to copy)
     budget: Optional[int] = None  # a tree of up to this many drafted nodes, `width` deep at most (None: a chain)
+    chain_width: Optional[int] = None  # with a budget: the width of the chain that verifies where no tree grows
 
 
 class Planner:
@@ -76,7 +77,8 @@ class Planner:
             copied = self.choice.lookup_tokens[: width - 1]
             # A fixed tree budget lets lookup branch too: the continuations of several earlier occurrences.
             budget = self.trees.budget if isinstance(self.trees, FixedBudget) else None
-            return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied), budget=budget)
+            return Plan(LOOKUP, len(copied) + 1, Offer(LOOKUP, len(copied) + 1, copied), budget=budget,
+                        chain_width=len(copied) + 1)
         # Any other pass wider than 1 is the drafting proposer's (the choice calls it DFLASH); without one, plain.
         if not self.drafting:
             return Plan(PLAIN, 1)
@@ -84,7 +86,7 @@ class Planner:
         if budget is not None:
             # A tree as deep as a fixed width allows, else as deep as the drafter's block.
             deepest = width if isinstance(self.widths, FixedWidth) else int(min(1 << 30, room))
-            return Plan(self.drafting_source, deepest, budget=budget)
+            return Plan(self.drafting_source, deepest, budget=budget, chain_width=width)
         return Plan(self.drafting_source, width)
 
     @property
@@ -124,11 +126,12 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
         tree_budget: drafting passes verify a tree of up to this many drafted nodes (an int), or the planner
             chooses chain or tree budget by measured speed ("auto"); None: chains.
     """
+    trees = tree_chooser(tree_budget, reproducible) if tree_budget is not None else None  # checked first
     planner = _width_planner(drafting=drafting, width=width, policy=policy, max_width=max_width, lookup=lookup,
                              lookup_width=lookup_width, reproducible=reproducible,
                              shared=None if tree_budget is not None else shared)
-    if tree_budget is not None and (planner.drafting or planner.choice is not None):
-        planner.trees = tree_chooser(tree_budget, reproducible)
+    if trees is not None and (planner.drafting or planner.choice is not None):
+        planner.trees = trees
     return planner
 
 
@@ -188,12 +191,14 @@ def renamed_width_args(width, planner, block_size: Optional[int], caller: str):
 
 
 def planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,
-                sources: Optional[SourceChoice] = None, lookup=None, tree_budget=None) -> Planner:
+                sources: Optional[SourceChoice] = None, lookup=None, tree_budget=None,
+                reproducible: bool = False) -> Planner:
     """`_planner_for` with draft trees on where `tree_budget` says (see `build_planner`)."""
+    trees = tree_chooser(tree_budget, reproducible) if tree_budget is not None else None  # checked first
     built = _planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
                          lookup=lookup)
-    if tree_budget is not None and drafting is not None and built.drafting:
-        built.trees = tree_chooser(tree_budget)
+    if trees is not None and (built.drafting or built.choice is not None):
+        built.trees = trees
     return built
 
 

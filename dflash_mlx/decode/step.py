@@ -163,12 +163,13 @@ class Decoder:
         self.wants = True  # wants another pass
         target.check_rollback_supported(state.target_cache)
         self.budget: Optional[int] = None  # the tree budget of the pass being proposed
-        self.trees_ok = False
         if trees and getattr(planner, "trees", None) is not None:
             why = tree_support(target, state.target_cache)
             if why is not None:
                 warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
-            self.trees_ok = why is None
+                planner.trees = None
+        elif getattr(planner, "trees", None) is not None:
+            planner.trees = None  # the caller's pass verifies chains only (a batch's ragged pass)
 
     def _observe(self, tokens: List[int], features: Optional[mx.array]) -> None:
         self.acceptor.observe(tokens)
@@ -202,16 +203,18 @@ class Decoder:
         self.budget = None
         if plan.width <= 1:
             return Proposal.empty()
-        proposer, width = self.proposers[plan.source], plan.width
-        grow = None
-        if plan.budget is not None:  # a tree as deep as the proposer drafts, or its chain where trees are off
-            width = min(width, proposer.widest)
-            grow = getattr(proposer, "propose_tree", None) if self.trees_ok else None
+        proposer = self.proposers[plan.source]
         with mx.stream(generation_stream):
-            if grow is not None:
-                proposal = grow(self.state, self.acceptor, width, plan.budget, plan.offer)
+            proposal = None
+            if plan.budget is not None:  # a tree as deep as the proposer drafts
+                grow = getattr(proposer, "propose_tree", None)
+                proposal = grow(self.state, self.acceptor, min(plan.width, proposer.widest), plan.budget,
+                                plan.offer) if grow is not None else None
+                if proposal is None:  # this proposer cannot grow trees (for good): chains from now on
+                    self.planner.trees = None
                 self.budget = plan.budget if isinstance(proposal, TreeProposal) else None
-            else:
+            if proposal is None:
+                width = plan.width if plan.budget is None else plan.chain_width
                 proposal = proposer.propose(self.state, self.acceptor, width, plan.offer)
             proposal = replace(proposal, source=plan.source)  # labelled by the proposer the planner chose
             if proposal.confidence is not None and self.planner.cuts:
@@ -255,9 +258,13 @@ class Decoder:
         width = launch.width
         if launch.write is not None:
             tokens, acc, slots = accepted_path(values, launch.proposal, self.stops)
+            tokens = tokens[: max(1, int(min(len(tokens), self.limit - self.emitted)))]  # (trees stay within it)
+            # A lookup tree is recorded as lookup's pass as deep as the tree, for the source choice's estimates.
+            width = max(launch.proposal.depths) + 1 if launch.proposal.source == LOOKUP else width
         else:
             tokens, acc = accepted_tokens(values, width, self.stops)
         self.planner.record(width, acc, seconds, launch.proposal.source, launch.budget)
+        width = launch.width
         self.mark("host")
         keep = len(tokens)
         if launch.write is not None:

@@ -119,9 +119,10 @@ def propose_tree(draft_logits: mx.array, acceptor, budget: int) -> Optional[Tree
                         parents=tuple(parents[:keep]))
 
 
-def lookup_tree(index: LookupIndex, widest: int, branches: int) -> Optional[TreeProposal]:
+def lookup_tree(index: LookupIndex, widest: int, branches: int,
+                deepest: Optional[int] = None) -> Optional[TreeProposal]:
     """Prompt lookup with branches: what followed up to `branches` earlier occurrences of the newest suffix (most
-    recent first), merged into a trie of at most `widest - 1` nodes. The longest suffix (from `index.max_n` down to
+    recent first), merged into a trie of at most `widest - 1` nodes and `deepest` levels (default: as many). The longest suffix (from `index.max_n` down to
     `index.min_n`) with an earlier occurrence decides the match; its occurrences are found by a scan of the
     context (O(context) per call, only when the index has a match). The trie grows a depth at a time, the most
     recent continuation first among siblings (a single occurrence gives the chain `index.propose` gives).
@@ -146,7 +147,7 @@ def lookup_tree(index: LookupIndex, widest: int, branches: int) -> Optional[Tree
         parents: List[int] = []
         child = {}  # (parent slot, token) -> slot
         at = [0] * len(starts)  # every continuation's node so far
-        for depth in range(budget):
+        for depth in range(budget if deepest is None else min(budget, deepest)):
             for b, start in enumerate(starts):
                 key = (at[b], seq[start + depth]) if at[b] >= 0 and start + depth < end else None
                 if key is None or key not in child and len(tokens) == budget:

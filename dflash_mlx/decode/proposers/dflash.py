@@ -98,10 +98,11 @@ class DFlashProposer:
 
     def propose_tree(self, state: DecodeState, acceptor: Acceptor, width: int, budget: int,
                      offer: Optional[Offer]) -> Proposal:
-        """A tree of up to `budget` drafts at most `width - 1` deep from one block's distributions; a chain where
-        this drafter or acceptor cannot make one."""
-        if getattr(self.drafter, "draft_walk", None) is not None:
-            return self.propose(state, acceptor, width, offer)
+        """A tree of up to `budget` drafts at most `width - 1` deep from one block's distributions; None (nothing
+        done) where this drafter or acceptor cannot make one: a walk drafter's slot i is drawn given one draft i-1,
+        and logits processors would make each node's row depend on its own path."""
+        if getattr(self.drafter, "draft_walk", None) is not None or getattr(acceptor, "processors", None):
+            return None
         self.check_mask()
         width = min(width, self.drafter.block_size)
         flushed = state.flush_context(self.drafter)

@@ -44,8 +44,9 @@ class LookupProposer:
     def propose_tree(self, state: DecodeState, acceptor: Acceptor, width: int, budget: int,
                      offer: Optional[Offer]) -> Proposal:
         """The continuations of up to `BRANCHES` earlier occurrences as one tree of at most max(budget, width - 1)
-        nodes; the chain where there is only one."""
-        tree = lookup_tree(self.index, max(budget, width - 1) + 1, BRANCHES)
+        nodes, `width - 1` deep (the planner's width: what the generation may still commit); the chain where there
+        is only one."""
+        tree = lookup_tree(self.index, max(budget, width - 1) + 1, BRANCHES, deepest=width - 1)
         if tree is None or all(p == i for i, p in enumerate(tree.parents)):
             return self.propose(state, acceptor, width, offer)
         return tree
