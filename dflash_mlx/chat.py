@@ -50,7 +50,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, drafter, *, system: Optional[str] = None, max_tokens: int = 1024,
                  width: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None,
-                 lookup: Optional[bool] = None, block_size: Optional[int] = None):
+                 lookup: Optional[bool] = None, block_size: Optional[int] = None, tree_budget=None):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.model = model
@@ -62,6 +62,7 @@ class ChatSession:
             warnings.warn("ChatSession(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=2)
         self.width = width if width is not None else block_size  # verify width per pass (None: chosen each pass)
         self.lookup = lookup  # drafts copied from the conversation (earlier turns included); see api.stream_generate
+        self.tree_budget = tree_budget  # drafted blocks verified as trees (None: chains); see api.stream_generate
         self.sampling: Dict = dict(sampling or {})
         self.thinking = thinking
         self.messages: List[Dict[str, str]] = []
@@ -180,7 +181,7 @@ class ChatSession:
             self.seen.extend(new)
             stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
                                      width=self.width, state=self.state, prefill_progress=progress,
-                                     lookup=self.lookup, **self.sampling)
+                                     lookup=self.lookup, tree_budget=self.tree_budget, **self.sampling)
             try:
                 for response in stream:
                     self.seen.append(response.token)

