@@ -304,7 +304,7 @@ class NearOracle(OracleDrafter):
         return mx.stack(rows)[None]
 
 
-def _run_many(e2e, params, n, drafter_kind="random", processors=(), widths=None):
+def _run_many(e2e, params, n, drafter_kind="random", processors=(), widths=None, **options):
     model, drafter, target = e2e
     seqs, accepted = [], 0
     for seed in range(n):
@@ -312,7 +312,8 @@ def _run_many(e2e, params, n, drafter_kind="random", processors=(), widths=None)
         acceptor = _Recording(params, processors, seed=seed, log=log)
         d = NearOracle(model, log, E2E_BLOCK, E2E_VOCAB - 1) if drafter_kind == "near_oracle" else drafter
         width = None if widths is None else Scheduled(widths[seed % len(widths):] + widths[: seed % len(widths)])
-        tokens, cycles = tiny.run_dflash(PROMPT, target, d, max_tokens=4, acceptor=acceptor, planner=width)
+        tokens, cycles = tiny.run_dflash(PROMPT, target, d, max_tokens=4, acceptor=acceptor, planner=width,
+                                         **options)
         seqs.append(tokens[:3])
         accepted += sum(c.accepted for c in cycles)
     return np.array(seqs), accepted / n
@@ -331,6 +332,15 @@ def test_sampling_with_a_width_changing_every_cycle(e2e):
     """Widths 3, 1, 2 in turn (rotated per run): every committed token still follows the target's distribution."""
     params = FILTERS["plain"]
     seqs, accepted = _run_many(e2e, params, 400, "near_oracle", widths=[3, 1, 2])
+    assert chi2_pvalue(joint_counts(seqs, E2E_VOCAB), exact_target_joint(e2e[0], PROMPT, params)) > ALPHA
+    assert accepted > 0.5
+
+
+@pytest.mark.parametrize("budget,filters", [(4, "plain"), (6, "topk_topp")])
+def test_sampling_with_draft_trees(e2e, budget, filters):
+    """Every drafted block verified as a DDTree (several children per level): still the target's distribution."""
+    params = FILTERS[filters]
+    seqs, accepted = _run_many(e2e, params, 400, "near_oracle", tree_budget=budget)
     assert chi2_pvalue(joint_counts(seqs, E2E_VOCAB), exact_target_joint(e2e[0], PROMPT, params)) > ALPHA
     assert accepted > 0.5
 
