@@ -11,6 +11,10 @@ PYTHONPATH), one unchunked prefill so the MTP sees every prompt row, and writes 
 per pass to tests/fixtures/mtp/<kind>.json:
 
     PYTHONPATH=/tmp/ref/vlm:/tmp/mtpdeps python benchmarks/mtp_reference.py
+
+`save_deepseek_checkpoint` writes a tiny deepseek_v3 checkpoint whose MTP layer is `model.layers.{N}.*` (the
+DeepSeek-V3 layout); `python benchmarks/mtp_reference.py deepseek_v3` records the reference's block outputs on it
+to tests/fixtures/mtp/deepseek_v3/block.safetensors (tests/test_mtp_deepseek.py).
 """
 
 from __future__ import annotations
@@ -252,5 +256,167 @@ def main() -> None:
         (FIXTURES / f"{kind}.json").write_text(json.dumps(record, separators=(",", ":")) + "\n")
 
 
+# -- DeepSeek-V3 layout: the MTP layer as model.layers.{num_hidden_layers}.* ----------------------------------------
+DEEPSEEK = dict(_ATTN, model_type="deepseek_v3", num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+                num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=32,
+                q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, first_k_dense_replace=1,
+                n_group=1, topk_group=1, rope_theta=10000.0, num_nextn_predict_layers=1)
+DEEPSEEK_FIXTURE = FIXTURES / "deepseek_v3" / "block.safetensors"
+DEEPSEEK_PREFILL = 30  # the block fixture: this many positions in one call, then one position per call
+
+
+def build_deepseek(seed: int = 1, vocab_size: int = VOCAB, own_embed: bool = False, own_head: bool = False,
+                   **overrides):
+    """(config, the mlx-lm deepseek_v3 target in memory, its MTP layer in memory): as `build`, for the DeepSeek
+    layout. `own_embed` / `own_head`: the layer carries `embed_tokens` / `shared_head.head` (copies of the
+    target's, as the DeepSeek-V3 release ships them); `overrides` change the config (DEEPSEEK)."""
+    from mlx_lm.models import deepseek_v3
+
+    from dflash_mlx.drafters.mtp import MTPConfig
+    from dflash_mlx.drafters.mtp_deepseek import DeepseekMTPDrafter
+
+    config = dict(DEEPSEEK, vocab_size=vocab_size, **overrides)
+    args = deepseek_v3.ModelArgs.from_dict(config)
+    model = deepseek_v3.Model(args)
+    rng = np.random.default_rng(2000 + seed)
+    _draw(model, rng, residual=RESIDUAL)
+    embed = np.array(model.model.embed_tokens.weight)
+    rows = embed[rng.permutation(vocab_size)]
+    model.lm_head.weight = mx.array(HEAD_SCALE * rows / np.linalg.norm(rows, axis=1, keepdims=True))
+    H, N = config["hidden_size"], config["num_hidden_layers"]
+    mtp = DeepseekMTPDrafter(MTPConfig("deepseek_v3", H, vocab_size, N), args, own_embed, own_head)
+    _draw(mtp, rng, residual=MTP_RESIDUAL)
+    eh = np.concatenate([np.eye(H), FC_HIDDEN * rng.standard_normal((H, H)) / np.sqrt(H)], axis=1)
+    mtp.eh_proj.weight = mx.array(eh.astype(np.float32))
+    if own_embed:
+        mtp.embed_tokens.weight = model.model.embed_tokens.weight
+    if own_head:
+        mtp.shared_head.head.weight = model.lm_head.weight
+    mx.eval(model.parameters(), mtp.parameters())
+    return config, model, mtp
+
+
+def _hf_deepseek(config: dict, model: nn.Module, mtp: nn.Module) -> Dict[str, mx.array]:
+    """Target and MTP layer in the Hugging Face layout: per-expert tensors, fused `kv_b_proj`."""
+    N, nope = config["num_hidden_layers"], config["qk_nope_head_dim"]
+    flat = dict(tree_flatten(model.parameters()))
+    for name, v in tree_flatten(mtp.parameters()):
+        flat[f"model.layers.{N}." + (name[len("layers.0."):] if name.startswith("layers.0.") else name)] = v
+    out: Dict[str, mx.array] = {}
+    for key, v in flat.items():
+        if ".switch_mlp." in key:
+            base, proj = key.split(".switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{base}.experts.{e}.{proj}"] = v[e]
+        elif key.endswith("self_attn.embed_q.weight"):
+            base = key[: -len("embed_q.weight")]
+            wk, wv = v.swapaxes(-1, -2), flat[base + "unembed_out.weight"]  # [heads, nope | v_head, kv_lora_rank]
+            out[base + "kv_b_proj.weight"] = mx.concatenate([wk, wv], axis=1).reshape(-1, wk.shape[-1])
+            assert wk.shape[1] == nope
+        elif not key.endswith("self_attn.unembed_out.weight"):
+            out[key] = v
+    return out
+
+
+def save_deepseek_checkpoint(folder, seed: int = 1, shards: int = 1, vocab_size: int = VOCAB,
+                             with_mtp: bool = True, own_embed: bool = False, own_head: bool = False,
+                             **overrides) -> Path:
+    """A tiny HF-layout deepseek_v3 checkpoint folder whose MTP layer is model.layers.{N}.*; `shards` > 1 writes a
+    sharded index with that layer alone in the last shard."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config, model, mtp = build_deepseek(seed, vocab_size, own_embed, own_head, **overrides)
+    weights = _hf_deepseek(config, model, mtp)
+    layer = f"model.layers.{config['num_hidden_layers']}."
+    if not with_mtp:
+        weights = {k: v for k, v in weights.items() if not k.startswith(layer)}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    main = sorted(k for k in weights if not k.startswith(layer))
+    extra = sorted(k for k in weights if k.startswith(layer))
+    parts = [main + extra] if shards == 1 else [main[i :: shards - 1] for i in range(shards - 1)] + [extra]
+    weight_map = {}
+    for i, part in enumerate(parts):
+        name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        mx.save_safetensors(str(folder / name), {k: weights[k] for k in part}, metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    if shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+def load_deepseek_target(folder: Path):
+    """The target as mlx-lm loads it. Non-strict: mlx-lm's sanitize drops only `model.layers.61` (DeepSeek-V3's
+    own depth), so a tiny checkpoint's MTP layer would otherwise be an unexpected tensor."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(folder), strict=False)
+    return model
+
+
+def reference_deepseek_block(folder: Path, prompt: List[int]) -> Dict[str, mx.array]:
+    """The reference's DeepSeek-layout MTP block (mlx-vlm's GlmMoeDsaMTP: enorm / hnorm / eh_proj, one MLA + MoE
+    decoder layer, shared_head norm), its tensors mapped from the checkpoint by the reference's own splitter, over
+    (target's final-normed hidden at t, token t+1): DEEPSEEK_PREFILL positions in one call, then one per call.
+    Its DSA indexer selects every position here (index_topk > length), which makes its attention plain MLA."""
+    from dataclasses import asdict
+
+    from mlx_lm.models import deepseek_v3
+    from mlx_vlm.models.cache import CacheList, KVCache
+    from mlx_vlm.models.glm_moe_dsa.config import ModelConfig as DsaConfig
+    from mlx_vlm.models.glm_moe_dsa.language import GlmMoeDsaMTP
+    from mlx_vlm.speculative.drafters.glm_moe_dsa_mtp.split import GlmMoeDsaMTPSplitter
+
+    target = load_deepseek_target(folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = asdict(deepseek_v3.ModelArgs.from_dict(config))
+    text.update(index_head_dim=16, index_n_heads=2, index_topk=10**6,
+                rope_parameters={"rope_theta": text["rope_theta"], "rope_type": "default"})
+    text = {k: v for k, v in text.items() if k not in ("rope_scaling", "rope_theta")}
+    draft_config, weights = GlmMoeDsaMTPSplitter().prepare(folder)
+    block = nn.Module()
+    block.mtp = GlmMoeDsaMTP(DsaConfig.from_dict(dict(draft_config["text_config"], **text)))
+    block.load_weights(list(weights.items()), strict=False)
+    loaded = set(weights)
+    assert all(k in loaded for k, _ in tree_flatten(block.parameters()) if ".indexer." not in k)
+    ids = mx.array([prompt], dtype=mx.int32)
+    hidden = target.model(ids)[:, :-1]  # final-normed, as the reference's targets hand it over
+    tokens = ids[:, 1:]
+    embed = target.model.embed_tokens(tokens)
+    cache = CacheList(KVCache(), KVCache())
+    P = DEEPSEEK_PREFILL
+    from mlx_vlm.models.base import create_attention_mask
+
+    outs = [block.mtp(hidden[:, :P], embed[:, :P], create_attention_mask(embed[:, :P], None, return_array=True),
+                      cache)]
+    for t in range(P, tokens.shape[1]):
+        outs.append(block.mtp(hidden[:, t : t + 1], embed[:, t : t + 1], None, cache))
+    out = mx.concatenate(outs, axis=1)
+    return {"tokens": tokens, "hidden": hidden, "out": out,
+            "argmax": mx.argmax(target.lm_head(out), axis=-1).astype(mx.int32)}
+
+
+def deepseek_main() -> None:
+    import tempfile
+
+    DEEPSEEK_FIXTURE.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_deepseek_checkpoint(Path(tmp) / "deepseek_v3")
+        model = load_deepseek_target(folder)
+        steps = generate_plain(model, PROMPT, MAX_TOKENS)
+        record = reference_deepseek_block(folder, PROMPT + steps)
+        mx.eval(record)
+        mx.save_safetensors(str(DEEPSEEK_FIXTURE), record, metadata={
+            "reference": "mlx-vlm 0.7.10 models.glm_moe_dsa.language.GlmMoeDsaMTP, GlmMoeDsaMTPSplitter",
+            "prefill": str(DEEPSEEK_PREFILL)})
+        print(f"deepseek_v3 block: {record['out'].shape[1]} positions -> {DEEPSEEK_FIXTURE}")
+
+
+def generate_plain(model: nn.Module, prompt: List[int], max_tokens: int) -> List[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1))
+    return [int(t) for t, _ in steps]
+
+
 if __name__ == "__main__":
-    main()
+    deepseek_main() if sys.argv[1:] == ["deepseek_v3"] else main()

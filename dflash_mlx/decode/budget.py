@@ -2,14 +2,16 @@
 
 A tree spends verify rows on the drafter's second and third choices where its first is unsure; whether that pays
 depends on the machine (a memory-bound GPU verifies 8 rows for little more than 1; this CPU pays per row) and on
-the drafter. The planner asks `choose()` before each drafting pass (None: the chain its width policy chose) and
-reports every drafting pass back with `record`.
+the drafter.
 
-- `FixedBudget(B)`: always a tree of up to B nodes (`tree_budget=B`).
-- `TreeBudget`: chooses among the chain and a few budgets by measured committed tokens per second, each arm's
-  tokens and seconds summed with a fading weight. Every arm is tried a few times first; afterwards the arm tried
-  least recently is re-measured once every `explore_every` passes, so the choice follows a drafter whose
-  acceptance changes at a bounded price (at most one pass in `explore_every` runs a worse arm).
+- `FixedBudget(B)`: every drafting pass is a tree of up to B nodes (`tree_budget=B`); the width policy still
+  decides which passes draft.
+- `TreeBudget` (`tree_budget="auto"`): before every pass, a tree of one of a few budgets or whatever the width
+  policy chooses (the arm `CHAIN`: plain decoding, lookup or a chain), by measured committed tokens per second,
+  each arm's tokens and seconds summed with a fading weight. Every arm is tried a few times first; afterwards the
+  arm tried least recently is re-measured once every `explore_every` passes, so the choice follows a drafter whose
+  acceptance changes at a bounded price (at most one pass in `explore_every` runs a worse arm), and trees never
+  replace the policy's passes unless they were measured faster.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class TreeBudget:
         return self.best()
 
     def record(self, budget: Optional[int], committed: int, seconds: float, rows: int) -> None:
-        """A drafting pass that ran `budget` (CHAIN: a chain) verifying `rows` rows and committed `committed`."""
+        """A pass that ran `budget` (CHAIN: the width policy's pass) verifying `rows` rows and committed
+        `committed`."""
         if budget not in self.tokens:
             return
         if self.cost is not None:

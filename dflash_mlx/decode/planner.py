@@ -71,6 +71,12 @@ class Planner:
         if self.choice is not None:
             self.choice.take(offers.get(LOOKUP), offers.get(self.drafting_source))
         width = int(min(self.widths.choose(), room))
+        if isinstance(self.trees, TreeBudget) and self.drafting and room > 1:
+            # "auto": a tree pass instead of whatever the width policy chose (plain, lookup or a chain), when
+            # trees have been faster than the policy's own passes.
+            budget = self.trees.choose()
+            if budget is not None:
+                return Plan(self.drafting_source, self._deepest(width, room), budget=budget, chain_width=width)
         if width <= 1:
             return Plan(PLAIN, 1)
         if self.choice is not None and self.choice.source == LOOKUP:
@@ -82,12 +88,14 @@ class Planner:
         # Any other pass wider than 1 is the drafting proposer's (the choice calls it DFLASH); without one, plain.
         if not self.drafting:
             return Plan(PLAIN, 1)
-        budget = self.trees.choose() if self.trees is not None else None
-        if budget is not None:
-            # A tree as deep as a fixed width allows, else as deep as the drafter's block.
-            deepest = width if isinstance(self.widths, FixedWidth) else int(min(1 << 30, room))
-            return Plan(self.drafting_source, deepest, budget=budget, chain_width=width)
+        if isinstance(self.trees, FixedBudget):
+            return Plan(self.drafting_source, self._deepest(width, room), budget=self.trees.budget,
+                        chain_width=width)
         return Plan(self.drafting_source, width)
+
+    def _deepest(self, width: int, room: int) -> int:
+        """How deep a tree may grow: as a fixed width allows, else as the drafter's block (within `room`)."""
+        return width if isinstance(self.widths, FixedWidth) else int(min(1 << 30, room))
 
     @property
     def cuts(self) -> bool:
@@ -103,8 +111,8 @@ class Planner:
         ended; `source` its proposer, `budget` its tree budget (None: a chain)."""
         if budget is None or source == LOOKUP:  # a lookup tree is still lookup's pass for the source choice
             self.widths.record(width, accepted, seconds)
-        if self.trees is not None and source == self.drafting_source:
-            self.trees.record(budget, accepted + 1, seconds, width)
+        if isinstance(self.trees, TreeBudget):  # every other pass is the width policy's arm (CHAIN)
+            self.trees.record(budget if source == self.drafting_source else None, accepted + 1, seconds, width)
 
 
 def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optional[Width] = None,

@@ -215,6 +215,9 @@ class Decoder:
                 self.budget = plan.budget if isinstance(proposal, TreeProposal) else None
             if proposal is None:
                 width = plan.width if plan.budget is None else plan.chain_width
+                if width <= 1:  # the width policy had chosen plain decoding
+                    self.mark("draft", mx.zeros((0,), dtype=mx.int32))
+                    return Proposal.empty()
                 proposal = proposer.propose(self.state, self.acceptor, width, plan.offer)
             proposal = replace(proposal, source=plan.source)  # labelled by the proposer the planner chose
             if proposal.confidence is not None and self.planner.cuts:

@@ -15,6 +15,9 @@ The draft cache (`make_cache`) is the layers' KV caches followed by one `MTPPend
 next token is not known yet, and tokens waiting for their row. Row i of the target's hidden stream pairs with
 token i+1 of the token stream, so the prefill only appends rows (`append_context`) and the proposer appends tokens
 (`add_tokens`); pairs run through the MTP as soon as both halves are known (`run_ready`).
+
+DeepSeek-V3 / Kimi K2.5 checkpoints store their MTP layer in another layout (`model.layers.{N}.*`): `mtp_deepseek`
+builds that block on this class and `load_mtp_drafter` dispatches to it.
 """
 
 from __future__ import annotations
@@ -203,8 +206,8 @@ class MTPDrafter(nn.Module):
 
 
 # -- loading ---------------------------------------------------------------------------------------------------
-def _no_mtp(where: str) -> DFlashError:
-    return DFlashError(f"{where} has no MTP layers (mtp.* tensors); use a DFlash drafter or drafter='lookup'")
+def _no_mtp(where: str, tensors: str = "mtp.* tensors") -> DFlashError:
+    return DFlashError(f"{where} has no MTP layers ({tensors}); use a DFlash drafter or drafter='lookup'")
 
 
 def _header(path: Path) -> Dict[str, Any]:
@@ -313,8 +316,9 @@ def _final_norm(target_model):
 def load_mtp_drafter(model_path, target_model=None, block_size: int = 3,
                      revision: Optional[str] = None) -> MTPDrafter:
     """The MTP drafter stored in the target's checkpoint (a local folder or a hub repo id, as the target was
-    loaded from). Reads only the weights files that hold `mtp.*` tensors. Raises DFlashError (one line) when the
-    architecture or the checkpoint has no MTP layers."""
+    loaded from): the Qwen layout (`mtp.*`) here, the DeepSeek-V3 one (`model.layers.{N}.*`) in `mtp_deepseek`.
+    Reads only the weights files that hold MTP tensors. Raises DFlashError (one line) when the architecture or the
+    checkpoint has no MTP layers."""
     folder = Path(str(model_path)).expanduser()
     if not folder.is_dir():
         from mlx_lm.utils import _download
@@ -327,6 +331,10 @@ def load_mtp_drafter(model_path, target_model=None, block_size: int = 3,
     model_type = config.get("model_type")
     text = dict(config.get("text_config") or config)
     num_layers = int(text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers") or 0)
+    if model_type in ("deepseek_v3", "kimi_k25"):
+        from .mtp_deepseek import load_deepseek_mtp
+
+        return _with_norm(load_deepseek_mtp(folder, config, model_path, block_size), target_model)
     if model_type not in MTP_FAMILIES:
         raise _no_mtp(f"target '{model_path}' ({model_type})")
     shards = _shards(folder)
@@ -349,6 +357,10 @@ def load_mtp_drafter(model_path, target_model=None, block_size: int = 3,
         raise DFlashError(f"target '{model_path}': its mtp.* tensors do not fit a {model_type} MTP block: "
                           f"{str(e).splitlines()[0]}") from e
     mx.eval(drafter.parameters())
+    return _with_norm(drafter, target_model)
+
+
+def _with_norm(drafter: MTPDrafter, target_model) -> MTPDrafter:
     if target_model is not None:
         drafter.target.norm = _final_norm(target_model)
     return drafter
