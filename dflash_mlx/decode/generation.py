@@ -112,7 +112,8 @@ class Generation:
         self.stats = AcceptanceStats(adaptive=self.adaptive)
         # A drafter we picked for this target by name is known to fit it; any other may be made for another one.
         made_for = getattr(drafter, "made_for", None)
-        self.watch = CollapseWatch(made_for=made_for) if warn_collapse else None
+        self.watch = (CollapseWatch(made_for=made_for, fixed_trees=isinstance(tree_budget, int))
+                      if warn_collapse else None)
         self.collapse_warning: Optional[str] = None
         self._warned = False
         self.drafted = self.accepted = 0  # draft tokens proposed / accepted over the verify passes

@@ -84,7 +84,9 @@ class CollapseWatch:
     `check` returns a message once, the first time it happens; the message says what the engine does about it.
     """
 
-    def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25, made_for: Optional[str] = None):
+    def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25, made_for: Optional[str] = None,
+                 fixed_trees: bool = False):
+        self.fixed_trees = fixed_trees  # a fixed tree budget, not a fixed width, keeps every drafting pass wide
         self.min_cycles = min_cycles
         self.max_accepted = max_accepted
         self.made_for = made_for  # the target the drafter was published for, when it was picked by that name
@@ -95,7 +97,10 @@ class CollapseWatch:
                 or stats.accepted_per_draft > self.max_accepted):
             return None
         self.fired = True
-        if stats.adaptive:
+        if self.fixed_trees:
+            action = (f"every drafting pass is a tree ({stats.format_widths()}), so DFlash is slower than plain "
+                      "decoding here; use --tree-budget auto (or no tree budget) to let the engine fall back")
+        elif stats.adaptive:
             action = f"falling back to plain decoding; verify widths used: {stats.format_widths()}"
         else:
             action = (f"the width is fixed ({stats.format_widths()}), so DFlash is slower than plain decoding "
