@@ -7,18 +7,19 @@ the drafter.
 - `FixedBudget(B)`: every drafting pass is a tree of up to B nodes (`tree_budget=B`); the width policy still
   decides which passes draft.
 - `TreeBudget` (`tree_budget="auto"`): before every pass, a tree of one of a few budgets or whatever the width
-  policy chooses (the arm `CHAIN`: plain decoding, lookup or a chain), by measured committed tokens per second,
-  each arm's tokens and seconds summed with a fading weight. Every arm is tried a few times first; afterwards the
-  arm tried least recently is re-measured once every `explore_every` passes, so the choice follows a drafter whose
-  acceptance changes at a bounded price (at most one pass in `explore_every` runs a worse arm), and trees never
-  replace the policy's passes unless they were measured faster.
+  policy chose (the arm `CHAIN`: plain decoding, a lookup copy or a chain), by measured committed tokens per
+  second in that context (what the policy chose), each arm's tokens and seconds summed with a fading weight.
+  Every arm is tried a few times first; afterwards the arm tried least recently is re-measured once every
+  `explore_every` passes, so the choice follows a drafter whose acceptance changes at a bounded price (at most
+  one pass in `explore_every` runs a worse arm), and trees replace the policy's passes only where they were
+  measured faster than those very passes.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
 
-CHAIN = None  # the arm that verifies the block as a chain
+CHAIN = None  # the arm that runs the width policy's own pass (no tree)
 
 
 class FixedBudget:
@@ -36,13 +37,31 @@ class FixedBudget:
         pass
 
 
+class _Arms:
+    """The measurements of one context: per arm, fading sums of committed tokens and seconds, tries, last use."""
+
+    def __init__(self, arms):
+        self.tokens: Dict[Optional[int], float] = {a: 0.0 for a in arms}
+        self.seconds: Dict[Optional[int], float] = {a: 0.0 for a in arms}
+        self.tries: Dict[Optional[int], int] = {a: 0 for a in arms}
+        self.last: Dict[Optional[int], int] = {a: -1 for a in arms}
+        self.passes = 0
+
+    def rate(self, arm: Optional[int]) -> float:
+        return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
+
+
 class TreeBudget:
-    """Chain or tree, by measured tokens per second; see the module docstring.
+    """Tree or the width policy's own pass, by measured tokens per second; see the module docstring.
+
+    The measurements are kept per context: what the width policy chose for the pass (plain decoding, a lookup copy,
+    a drafter's chain). A tree that pays where the policy would decode plainly need not pay where it would copy 32
+    tokens from the context, so each is compared with what it would replace.
 
     Args:
-        budgets: the tree budgets to choose among (besides the chain).
-        warmup: passes each arm runs before the rates are compared.
-        explore_every: passes between two re-measurements of the arm tried least recently.
+        budgets: the tree budgets to choose among (besides the policy's pass, `CHAIN`).
+        warmup: passes each arm runs (per context) before the rates are compared.
+        explore_every: passes (per context) between two re-measurements of the arm tried least recently.
         decay: weight kept by an arm's sums from one of its passes to the next.
         cost: seconds of a pass by its verified rows, used instead of the clock (seeded sampling: the choices then
             follow acceptance alone, so a seed reproduces a run on any machine).
@@ -52,37 +71,43 @@ class TreeBudget:
                  decay: float = 0.9, cost: Optional[Callable[[int], float]] = None):
         self.arms = [CHAIN] + sorted(set(int(b) for b in budgets if b >= 1))
         self.warmup, self.explore_every, self.decay, self.cost = warmup, explore_every, decay, cost
-        self.tokens: Dict[Optional[int], float] = {a: 0.0 for a in self.arms}
-        self.seconds: Dict[Optional[int], float] = {a: 0.0 for a in self.arms}
-        self.tries: Dict[Optional[int], int] = {a: 0 for a in self.arms}
-        self.last: Dict[Optional[int], int] = {a: -1 for a in self.arms}
-        self.passes = 0
+        self.contexts: Dict[Optional[str], _Arms] = {}
 
-    def rate(self, arm: Optional[int]) -> float:
-        """Committed tokens per second of `arm` so far (0 before it ran)."""
-        return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
+    def _of(self, context: Optional[str]) -> _Arms:
+        if context not in self.contexts:
+            self.contexts[context] = _Arms(self.arms)
+        return self.contexts[context]
 
-    def best(self) -> Optional[int]:
-        top = max(self.rate(a) for a in self.arms)
-        return next(a for a in self.arms if self.rate(a) >= top)  # the chain wins ties
+    def rate(self, arm: Optional[int], context: Optional[str] = None) -> float:
+        """Committed tokens per second of `arm` in `context` so far (0 before it ran)."""
+        return self._of(context).rate(arm)
 
-    def choose(self) -> Optional[int]:
-        self.passes += 1
-        unmeasured = [a for a in self.arms if self.tries[a] < self.warmup]
+    def best(self, context: Optional[str] = None) -> Optional[int]:
+        arms = self._of(context)
+        top = max(arms.rate(a) for a in self.arms)
+        return next(a for a in self.arms if arms.rate(a) >= top)  # the policy's pass wins ties
+
+    def choose(self, context: Optional[str] = None) -> Optional[int]:
+        """The arm for the next pass, where the width policy chose a pass of kind `context`."""
+        arms = self._of(context)
+        arms.passes += 1
+        unmeasured = [a for a in self.arms if arms.tries[a] < self.warmup]
         if unmeasured:
             return unmeasured[0]
-        if self.passes % self.explore_every == 0:
-            return min(self.arms, key=lambda a: self.last[a])
-        return self.best()
+        if arms.passes % self.explore_every == 0:
+            return min(self.arms, key=lambda a: arms.last[a])
+        return self.best(context)
 
-    def record(self, budget: Optional[int], committed: int, seconds: float, rows: int) -> None:
-        """A pass that ran `budget` (CHAIN: the width policy's pass) verifying `rows` rows and committed
-        `committed`."""
-        if budget not in self.tokens:
+    def record(self, budget: Optional[int], committed: int, seconds: float, rows: int,
+               context: Optional[str] = None) -> None:
+        """A pass that ran `budget` (CHAIN: the width policy's pass) in `context`, verifying `rows` rows and
+        committing `committed` tokens."""
+        arms = self._of(context)
+        if budget not in arms.tokens:
             return
         if self.cost is not None:
             seconds = self.cost(rows)
-        self.tokens[budget] = self.decay * self.tokens[budget] + committed
-        self.seconds[budget] = self.decay * self.seconds[budget] + seconds
-        self.tries[budget] += 1
-        self.last[budget] = self.passes
+        arms.tokens[budget] = self.decay * arms.tokens[budget] + committed
+        arms.seconds[budget] = self.decay * arms.seconds[budget] + seconds
+        arms.tries[budget] += 1
+        arms.last[budget] = arms.passes

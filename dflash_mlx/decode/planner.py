@@ -21,7 +21,7 @@ alone gets machine-independent costs (`width.nominal_cost`); then the installed 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence, Union
 
 from ..errors import DFlashError
@@ -40,6 +40,7 @@ class Plan:
     offer: Optional[Offer] = None  # the chosen proposer's offer (lookup: the continuation to copy)
     budget: Optional[int] = None  # a tree of up to this many drafted nodes, `width` deep at most (None: a chain)
     chain_width: Optional[int] = None  # with a budget: the width of the chain that verifies where no tree grows
+    context: Optional[str] = None  # with trees on "auto": the source the width policy chose for this pass
 
 
 class Planner:
@@ -71,12 +72,21 @@ class Planner:
         if self.choice is not None:
             self.choice.take(offers.get(LOOKUP), offers.get(self.drafting_source))
         width = int(min(self.widths.choose(), room))
+        plan = self._policy_plan(width, room)
         if isinstance(self.trees, TreeBudget) and self.drafting and room > 1:
-            # "auto": a tree pass instead of whatever the width policy chose (plain, lookup or a chain), when
-            # trees have been faster than the policy's own passes.
-            budget = self.trees.choose()
+            # "auto": a tree pass instead of the width policy's (plain, a lookup copy or a chain), where trees
+            # were measured faster than the policy's passes of that kind.
+            budget = self.trees.choose(plan.source)
             if budget is not None:
-                return Plan(self.drafting_source, self._deepest(width, room), budget=budget, chain_width=width)
+                chain = width if plan.source == self.drafting_source else 1
+                return Plan(self.drafting_source, self._deepest(width, room), budget=budget, chain_width=chain,
+                            context=plan.source)
+            return replace(plan, context=plan.source)
+        return plan
+
+    def _policy_plan(self, width: int, room: int) -> Plan:
+        """The pass the width policy (and the source choice) chose: plain, a lookup copy or a drafting pass (a
+        tree with a fixed budget)."""
         if width <= 1:
             return Plan(PLAIN, 1)
         if self.choice is not None and self.choice.source == LOOKUP:
@@ -106,13 +116,14 @@ class Planner:
         return self.cutter.truncate(confidence, width)
 
     def record(self, width: int, accepted: int, seconds: float, source: Optional[str] = None,
-               budget: Optional[int] = None) -> None:
+               budget: Optional[int] = None, context: Optional[str] = None) -> None:
         """One finished pass: its width (rows verified), drafts accepted and seconds since the previous pass
-        ended; `source` its proposer, `budget` its tree budget (None: a chain)."""
+        ended; `source` its proposer, `budget` its tree budget (None: a chain), `context` its plan's."""
         if budget is None or source == LOOKUP:  # a lookup tree is still lookup's pass for the source choice
             self.widths.record(width, accepted, seconds)
-        if isinstance(self.trees, TreeBudget):  # every other pass is the width policy's arm (CHAIN)
-            self.trees.record(budget if source == self.drafting_source else None, accepted + 1, seconds, width)
+        if isinstance(self.trees, TreeBudget) and context is not None:  # (None: a pass planned elsewhere)
+            self.trees.record(budget if source == self.drafting_source else None, accepted + 1, seconds, width,
+                              context)
 
 
 def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optional[Width] = None,

@@ -77,6 +77,7 @@ class Launch:
     hidden: mx.array  # [1, w, n*H]
     write: Any = None  # a tree pass's verify write (`targets.tree.TreeWrite`), kept out of the caches until finish
     budget: Optional[int] = None  # a tree pass's budget
+    context: Optional[str] = None  # its plan's context (`planner.Plan.context`)
     kept: int = 0  # tokens `finish` committed
     previous_token: int = -1  # the last committed token before it
 
@@ -163,6 +164,7 @@ class Decoder:
         self.wants = True  # wants another pass
         target.check_rollback_supported(state.target_cache)
         self.budget: Optional[int] = None  # the tree budget of the pass being proposed
+        self.context: Optional[str] = None  # and its plan's context
         if trees and getattr(planner, "trees", None) is not None:
             why = tree_support(target, state.target_cache)
             if why is not None:
@@ -200,7 +202,7 @@ class Decoder:
         offers = {name: p.offer(self.state, int(min(self.planner.widest(name), room)))
                   for name, p in self.proposers.items() if name != PLAIN}
         plan = self.planner.plan(offers, room)
-        self.budget = None
+        self.budget, self.context = None, plan.context
         if plan.width <= 1:
             return Proposal.empty()
         proposer = self.proposers[plan.source]
@@ -254,7 +256,8 @@ class Decoder:
                 acc, choice = self.acceptor.verify(proposal, logits)
                 packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, proposal.tokens])
         self.mark("verify", packed, hidden)
-        return Launch(proposal, packed, logits, hidden, write, self.budget if write is not None else None)
+        return Launch(proposal, packed, logits, hidden, write, self.budget if write is not None else None,
+                      self.context)
 
     def finish(self, launch: Launch, values: Sequence[int], seconds: float) -> Pass:
         """Commit the pass whose packed result was read as `values`; `seconds` is its cost."""
@@ -266,7 +269,7 @@ class Decoder:
             width = max(launch.proposal.depths) + 1 if launch.proposal.source == LOOKUP else width
         else:
             tokens, acc = accepted_tokens(values, width, self.stops)
-        self.planner.record(width, acc, seconds, launch.proposal.source, launch.budget)
+        self.planner.record(width, acc, seconds, launch.proposal.source, launch.budget, launch.context)
         width = launch.width
         self.mark("host")
         keep = len(tokens)
