@@ -242,3 +242,15 @@ def test_lookup_trees_stay_within_max_tokens_and_the_lookup_width():
                 out += p.tokens
                 assert p.width <= max(budget, 8) + 1
         assert out == ref[:max_tokens]
+
+
+def test_first_choices_are_the_chain_a_tree_stood_in_for():
+    from dflash_mlx.decode.step import first_choices
+
+    # slots: 1 (root's first child), 2 (its sibling), 3 (1's first child), 4 (3's first child), 5 (2's child)
+    tree = TreeProposal(mx.array([7, 8, 9, 10, 11]), parents=(0, 0, 1, 3, 2))
+    assert first_choices(tree, [1, 3, 4], 8) == (4, 3)  # the first-child chain is 3 deep, all accepted
+    assert first_choices(tree, [1, 3], 8) == (4, 2)
+    assert first_choices(tree, [2, 5], 8) == (4, 0)  # the runner-up was taken: the chain's first draft missed
+    assert first_choices(tree, [1, 3, 4], 3) == (3, 2)  # as wide as the chain the policy chose
+    assert first_choices(tree, [], None) is None

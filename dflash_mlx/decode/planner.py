@@ -54,14 +54,17 @@ class Planner:
         drafting_source: that proposer's name (the DFlash drafter's by default).
         trees: chooses, per drafting pass, a chain or a tree budget (`budget.FixedBudget`, `budget.TreeBudget`;
             None: always chains).
+        policy: the drafter's width policy, told the acceptance of a tree's first choices (what its chain would
+            have drafted) so that it keeps learning while trees replace its chains.
     """
 
     def __init__(self, widths: Width, *, choice: Optional[SourceChoice] = None,
                  cutter: Optional[WidthPolicy] = None, drafting: bool = True, drafting_source: str = DFLASH,
-                 trees=None):
+                 trees=None, policy: Optional[WidthPolicy] = None):
         self.widths, self.choice, self.cutter, self.drafting = widths, choice, cutter, drafting
         self.drafting_source = drafting_source
         self.trees = trees
+        self.policy = policy
 
     def widest(self, source: str) -> int:
         """The widest pass this planner may choose for `source` (what a proposer is asked to offer)."""
@@ -73,13 +76,12 @@ class Planner:
             self.choice.take(offers.get(LOOKUP), offers.get(self.drafting_source))
         width = int(min(self.widths.choose(), room))
         plan = self._policy_plan(width, room)
-        if isinstance(self.trees, TreeBudget) and self.drafting and room > 1:
-            # "auto": a tree pass instead of the width policy's (plain, a lookup copy or a chain), where trees
-            # were measured faster than the policy's passes of that kind.
+        if isinstance(self.trees, TreeBudget) and plan.source == self.drafting_source:
+            # "auto": a tree instead of the drafter's chain, where trees were measured faster than its chains
+            # (never instead of plain decoding or a lookup copy, which the policy chose over the drafter).
             budget = self.trees.choose(plan.source)
             if budget is not None:
-                chain = width if plan.source == self.drafting_source else 1
-                return Plan(self.drafting_source, self._deepest(width, room), budget=budget, chain_width=chain,
+                return Plan(self.drafting_source, self._deepest(width, room), budget=budget, chain_width=width,
                             context=plan.source)
             return replace(plan, context=plan.source)
         return plan
@@ -116,9 +118,12 @@ class Planner:
         return self.cutter.truncate(confidence, width)
 
     def record(self, width: int, accepted: int, seconds: float, source: Optional[str] = None,
-               budget: Optional[int] = None, context: Optional[str] = None) -> None:
+               budget: Optional[int] = None, context: Optional[str] = None, chain=None) -> None:
         """One finished pass: its width (rows verified), drafts accepted and seconds since the previous pass
-        ended; `source` its proposer, `budget` its tree budget (None: a chain), `context` its plan's."""
+        ended; `source` its proposer, `budget` its tree budget (None: a chain), `context` its plan's; a tree's
+        `chain`: (width, accepted) of its first choices, the chain it stood in for."""
+        if budget is not None and chain is not None and self.policy is not None:
+            self.policy.observe(*chain)
         if budget is None or source == LOOKUP:  # a lookup tree is still lookup's pass for the source choice
             self.widths.record(width, accepted, seconds)
         if isinstance(self.trees, TreeBudget) and context is not None:  # (None: a pass planned elsewhere)
@@ -183,9 +188,10 @@ def _width_planner(*, drafting, width, policy, max_width, lookup, lookup_width, 
     if lookup:
         choice = SourceChoice(model, lookup_width, cost=cost)
         paced, cutter = pace(choice, model)
-        return Planner(paced, choice=choice, cutter=cutter, drafting=drafting is not None, drafting_source=source)
+        return Planner(paced, choice=choice, cutter=cutter, drafting=drafting is not None, drafting_source=source,
+                       policy=model)
     paced, cutter = pace(model, model)
-    return Planner(paced, cutter=cutter, drafting_source=source)
+    return Planner(paced, cutter=cutter, drafting_source=source, policy=model)
 
 
 def pace(widths: Width, model: Optional[WidthPolicy]):

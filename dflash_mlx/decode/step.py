@@ -78,6 +78,7 @@ class Launch:
     write: Any = None  # a tree pass's verify write (`targets.tree.TreeWrite`), kept out of the caches until finish
     budget: Optional[int] = None  # a tree pass's budget
     context: Optional[str] = None  # its plan's context (`planner.Plan.context`)
+    chain_width: Optional[int] = None  # a tree pass: the width of the chain it stood in for
     kept: int = 0  # tokens `finish` committed
     previous_token: int = -1  # the last committed token before it
 
@@ -129,6 +130,26 @@ def accepted_path(values: Sequence[int], proposal: TreeProposal, stops: set):
     return tokens, acc, [0] + list(path)
 
 
+def first_choices(proposal: TreeProposal, path: Sequence[int], chain_width: Optional[int]):
+    """(width, accepted) of the chain of a tree's first children (what a chain would have drafted) as this pass
+    judged it: its drafts accepted are the path's leading first children. None without a chain width."""
+    if not chain_width:
+        return None
+    first = {}
+    for slot, parent in enumerate(proposal.parents, start=1):
+        first.setdefault(parent, slot)
+    depth, slot = 0, 0
+    while slot in first:
+        slot, depth = first[slot], depth + 1
+    accepted, slot = 0, 0
+    for node in path:
+        if first.get(slot) != node:
+            break
+        accepted, slot = accepted + 1, node
+    width = max(1, min(chain_width, depth + 1))
+    return width, min(accepted, width - 1)
+
+
 def accepted_tokens(values: Sequence[int], width: int, stops: set):
     """(tokens to commit, drafts accepted) from a pass's packed result; a stop token ends the commit."""
     acc, choice = values[0], values[1 : 1 + width]
@@ -165,6 +186,7 @@ class Decoder:
         target.check_rollback_supported(state.target_cache)
         self.budget: Optional[int] = None  # the tree budget of the pass being proposed
         self.context: Optional[str] = None  # and its plan's context
+        self.chain_width: Optional[int] = None  # and, for a tree, the chain it stands in for
         if trees and getattr(planner, "trees", None) is not None:
             why = tree_support(target, state.target_cache)
             if why is not None:
@@ -202,7 +224,7 @@ class Decoder:
         offers = {name: p.offer(self.state, int(min(self.planner.widest(name), room)))
                   for name, p in self.proposers.items() if name != PLAIN}
         plan = self.planner.plan(offers, room)
-        self.budget, self.context = None, plan.context
+        self.budget, self.context, self.chain_width = None, plan.context, plan.chain_width
         if plan.width <= 1:
             return Proposal.empty()
         proposer = self.proposers[plan.source]
@@ -257,7 +279,7 @@ class Decoder:
                 packed = mx.concatenate([acc.reshape(1).astype(mx.int32), choice, proposal.tokens])
         self.mark("verify", packed, hidden)
         return Launch(proposal, packed, logits, hidden, write, self.budget if write is not None else None,
-                      self.context)
+                      self.context, self.chain_width)
 
     def finish(self, launch: Launch, values: Sequence[int], seconds: float) -> Pass:
         """Commit the pass whose packed result was read as `values`; `seconds` is its cost."""
@@ -265,11 +287,13 @@ class Decoder:
         if launch.write is not None:
             tokens, acc, slots = accepted_path(values, launch.proposal, self.stops)
             tokens = tokens[: max(1, int(min(len(tokens), self.limit - self.emitted)))]  # (trees stay within it)
+            chain = first_choices(launch.proposal, slots[1 : acc + 1], launch.chain_width)
             # A lookup tree is recorded as lookup's pass as deep as the tree, for the source choice's estimates.
             width = max(launch.proposal.depths) + 1 if launch.proposal.source == LOOKUP else width
         else:
             tokens, acc = accepted_tokens(values, width, self.stops)
-        self.planner.record(width, acc, seconds, launch.proposal.source, launch.budget, launch.context)
+            chain = None
+        self.planner.record(width, acc, seconds, launch.proposal.source, launch.budget, launch.context, chain)
         width = launch.width
         self.mark("host")
         keep = len(tokens)

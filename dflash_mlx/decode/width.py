@@ -248,6 +248,11 @@ class WidthPolicy:
         self.costs[width] = (statistics.median(recent), self.cycles)
         self.costs = {w: v for w, v in self.costs.items() if self.cycles - v[1] <= self.expire}
         self.funded = self.probe == width and accepted > 0
+        self.observe(width, accepted)
+
+    def observe(self, width: int, accepted: int) -> None:
+        """Acceptance alone, without a cost: `accepted` drafts of a `width`-token chain (e.g. the first choices of
+        a draft tree, which is what a chain would have drafted)."""
         self.trials = [self.decay * t for t in self.trials]
         self.hits = [self.decay * h for h in self.hits]
         # Slots 1..accepted were accepted; slot accepted+1 (if drafted) was the first rejection.
