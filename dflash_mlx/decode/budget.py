@@ -6,13 +6,12 @@ the drafter.
 
 - `FixedBudget(B)`: every drafting pass is a tree of up to B nodes (`tree_budget=B`); the width policy still
   decides which passes draft.
-- `TreeBudget` (`tree_budget="auto"`): before every pass, a tree of one of a few budgets or whatever the width
-  policy chose (the arm `CHAIN`: plain decoding, a lookup copy or a chain), by measured committed tokens per
-  second in that context (what the policy chose), each arm's tokens and seconds summed with a fading weight.
-  Every arm is tried a few times first; afterwards the arm tried least recently is re-measured once every
-  `explore_every` passes, so the choice follows a drafter whose acceptance changes at a bounded price (at most
-  one pass in `explore_every` runs a worse arm), and trees replace the policy's passes only where they were
-  measured faster than those very passes.
+- `TreeBudget` (`tree_budget="auto"`): where the width policy chose a drafter's chain, that chain (the arm
+  `CHAIN`) or a tree of one of a few budgets, by measured committed tokens per second (each arm's tokens and
+  seconds summed with a fading weight, kept per context: the kind of pass the policy chose). Every arm is tried
+  first; afterwards the arm tried least recently is re-measured once every `explore_every` passes, so the choice
+  follows a drafter whose acceptance changes at a bounded price (at most one pass in `explore_every` runs a worse
+  arm). The planner never lets a tree replace plain decoding or a lookup copy.
 """
 
 from __future__ import annotations
