@@ -81,13 +81,19 @@ class TreeBudget:
         """Committed tokens per second of `arm` in `context` so far (0 before it ran)."""
         return self._of(context).rate(arm)
 
-    def best(self, context: Optional[str] = None) -> Optional[int]:
+    def best(self, context: Optional[str] = None, chain_rate: Optional[float] = None) -> Optional[int]:
+        """The fastest arm; `chain_rate`: the width policy's own estimate for the chain it chose (tokens per
+        second at that width), used for `CHAIN` instead of the rate measured over all its chains."""
         arms = self._of(context)
-        top = max(arms.rate(a) for a in self.arms)
-        return next(a for a in self.arms if arms.rate(a) >= top)  # the policy's pass wins ties
+        rates = {a: arms.rate(a) for a in self.arms}
+        if chain_rate is not None:
+            rates[CHAIN] = chain_rate
+        top = max(rates.values())
+        return next(a for a in self.arms if rates[a] >= top)  # the policy's pass wins ties
 
-    def choose(self, context: Optional[str] = None) -> Optional[int]:
-        """The arm for the next pass, where the width policy chose a pass of kind `context`."""
+    def choose(self, context: Optional[str] = None, chain_rate: Optional[float] = None) -> Optional[int]:
+        """The arm for the next pass, where the width policy chose a pass of kind `context` (its estimated rate
+        `chain_rate`, where it has one)."""
         arms = self._of(context)
         arms.passes += 1
         unmeasured = [a for a in self.arms if arms.tries[a] < self.warmup]
@@ -95,7 +101,7 @@ class TreeBudget:
             return unmeasured[0]
         if arms.passes % self.explore_every == 0:
             return min(self.arms, key=lambda a: arms.last[a])
-        return self.best(context)
+        return self.best(context, chain_rate)
 
     def record(self, budget: Optional[int], committed: int, seconds: float, rows: int,
                context: Optional[str] = None) -> None:

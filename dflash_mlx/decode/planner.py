@@ -79,7 +79,10 @@ class Planner:
         if isinstance(self.trees, TreeBudget) and plan.source == self.drafting_source:
             # "auto": a tree instead of the drafter's chain, where trees were measured faster than its chains
             # (never instead of plain decoding or a lookup copy, which the policy chose over the drafter).
-            budget = self.trees.choose(plan.source)
+            # The chain it would replace is worth what the policy expects of that width (its choice, or a probe).
+            rates = self.policy.rates_per_second() if self.policy is not None and self.policy.measured() else None
+            chain_rate = rates[min(width, len(rates)) - 1] if rates else None
+            budget = self.trees.choose(plan.source, chain_rate)
             if budget is not None:
                 return Plan(self.drafting_source, self._deepest(width, room), budget=budget, chain_width=width,
                             context=plan.source)
