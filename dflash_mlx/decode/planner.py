@@ -204,16 +204,17 @@ def pace(widths: Width, model: Optional[WidthPolicy]):
     return paced, (model if paced is widths else None)
 
 
-def renamed_width_args(width, planner, block_size: Optional[int], caller: str):
+def renamed_width_args(width, planner, block_size: Optional[int], caller: str, stacklevel: int = 4):
     """(width, planner) from arguments in their current and deprecated spellings: `block_size=N` for `width=N`,
     and a width policy object given as `width` for `planner` (each with a DeprecationWarning)."""
     if block_size is not None:
-        warnings.warn(f"{caller}(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=4)
+        warnings.warn(f"{caller}(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=stacklevel)
         if width is not None and not isinstance(width, int):
             planner = planner or width
         width = block_size
     elif width is not None and not isinstance(width, int):
-        warnings.warn(f"{caller}(width=<policy>) is deprecated: use planner=", DeprecationWarning, stacklevel=4)
+        warnings.warn(f"{caller}(width=<policy>) is deprecated: use planner=", DeprecationWarning,
+                      stacklevel=stacklevel)
         width, planner = None, planner or width
     return width, planner
 
@@ -235,7 +236,7 @@ def _planner_for(drafting, *, width=None, planner=None, block_size: Optional[int
     """The planner for the loop's and the batch's arguments (`drafting`: the proposer of passes wider than 1, or
     None), the deprecated ones included: `block_size=N` (now `width=N`), a width policy object as `width=` (now
     `planner=`), a `sources` choice with its `lookup` index. A fixed width wins over any planner or policy."""
-    width, planner = renamed_width_args(width, planner, block_size, "dflash_generate_step")
+    width, planner = renamed_width_args(width, planner, block_size, "dflash_generate_step", stacklevel=5)
     if width is not None:
         return build_planner(drafting=drafting, width=width)
     if isinstance(planner, Planner):
