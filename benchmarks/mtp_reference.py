@@ -141,12 +141,16 @@ def save_checkpoint(kind: str, folder, seed: int = 0, shards: int = 1, vocab_siz
     if not with_mtp:
         weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         config.get("text_config", config).pop("mtp_num_hidden_layers", None)
+    return write_checkpoint(folder, config, weights, "mtp.", shards)
+
+
+def write_checkpoint(folder: Path, config: dict, weights: dict, mtp_prefix: str, shards: int = 1) -> Path:
+    """config.json and the weights; `shards` > 1 writes a sharded index with every MTP tensor (names starting
+    with `mtp_prefix`) in the last shard, so a loader reading only that one is checked."""
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    keys = sorted(weights, key=lambda k: (k.startswith("mtp."), k))
-    parts = [keys[i::shards] for i in range(shards)] if shards > 1 else [keys]
-    if shards > 1:  # every mtp.* tensor in the last shard, so a loader reading only that one is checked
-        main = [k for k in keys if not k.startswith("mtp.")]
-        parts = [main[i :: shards - 1] for i in range(shards - 1)] + [[k for k in keys if k.startswith("mtp.")]]
+    main = sorted(k for k in weights if not k.startswith(mtp_prefix))
+    extra = sorted(k for k in weights if k.startswith(mtp_prefix))
+    parts = [main + extra] if shards == 1 else [main[i :: shards - 1] for i in range(shards - 1)] + [extra]
     weight_map = {}
     for i, part in enumerate(parts):
         name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
@@ -330,18 +334,7 @@ def save_deepseek_checkpoint(folder, seed: int = 1, shards: int = 1, vocab_size:
     layer = f"model.layers.{config['num_hidden_layers']}."
     if not with_mtp:
         weights = {k: v for k, v in weights.items() if not k.startswith(layer)}
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    main = sorted(k for k in weights if not k.startswith(layer))
-    extra = sorted(k for k in weights if k.startswith(layer))
-    parts = [main + extra] if shards == 1 else [main[i :: shards - 1] for i in range(shards - 1)] + [extra]
-    weight_map = {}
-    for i, part in enumerate(parts):
-        name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        mx.save_safetensors(str(folder / name), {k: weights[k] for k in part}, metadata={"format": "pt"})
-        weight_map.update({k: name for k in part})
-    if shards > 1:
-        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return folder
+    return write_checkpoint(folder, config, weights, layer, shards)
 
 
 def load_deepseek_target(folder: Path):

@@ -29,12 +29,6 @@ class FixedBudget:
             raise ValueError(f"tree budget must be >= 1, got {budget}")
         self.budget = budget
 
-    def choose(self) -> Optional[int]:
-        return self.budget
-
-    def record(self, budget: Optional[int], committed: int, seconds: float, rows: int) -> None:
-        pass
-
 
 class _Arms:
     """The measurements of one context: per arm, fading sums of committed tokens and seconds, tries, last use."""
@@ -47,6 +41,7 @@ class _Arms:
         self.passes = 0
 
     def rate(self, arm: Optional[int]) -> float:
+        """Committed tokens per second of `arm` so far (0 before it ran)."""
         return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
 
 
@@ -76,10 +71,6 @@ class TreeBudget:
         if context not in self.contexts:
             self.contexts[context] = _Arms(self.arms)
         return self.contexts[context]
-
-    def rate(self, arm: Optional[int], context: Optional[str] = None) -> float:
-        """Committed tokens per second of `arm` in `context` so far (0 before it ran)."""
-        return self._of(context).rate(arm)
 
     def best(self, context: Optional[str] = None, chain_rate: Optional[float] = None) -> Optional[int]:
         """The fastest arm; `chain_rate`: the width policy's own estimate for the chain it chose (tokens per

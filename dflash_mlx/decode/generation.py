@@ -32,7 +32,7 @@ from ..errors import DFlashError
 from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
 from .lookup import LookupIndex
 from .loop import dflash_generate_step
-from .planner import Planner, build_planner, tree_chooser
+from .planner import Planner, build_planner, tree_chooser, with_trees
 from .sources import SourceChoice
 from .state import DecodeState
 from .stats import AcceptanceStats, CollapseWatch
@@ -105,8 +105,8 @@ class Generation:
         self.planner: Planner = planner or build_planner(
             drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
             reproducible=reproducible, shared=self._shared_planner, tree_budget=tree_budget)
-        if tree_budget is not None and self.planner.trees is None and self.planner.drafting:
-            self.planner.trees = tree_chooser(tree_budget, reproducible)  # a planner of the caller's
+        if self.planner.trees is None:  # a planner of the caller's
+            with_trees(self.planner, tree_chooser(tree_budget, reproducible))
         self.sources: Optional[SourceChoice] = self.planner.choice
         self.lookup = _lookup_index(state, history) if use_lookup else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)

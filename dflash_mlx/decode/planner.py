@@ -153,17 +153,26 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
         tree_budget: drafting passes verify a tree of up to this many drafted nodes (an int), or the planner
             chooses chain or tree budget by measured speed ("auto"); None: chains.
     """
-    trees = tree_chooser(tree_budget, reproducible) if tree_budget is not None else None  # checked first
+    trees = tree_chooser(tree_budget, reproducible)  # a bad value is refused first, whatever else is given
     planner = _width_planner(drafting=drafting, width=width, policy=policy, max_width=max_width, lookup=lookup,
                              lookup_width=lookup_width, reproducible=reproducible,
                              shared=None if tree_budget is not None else shared)
+    return with_trees(planner, trees)
+
+
+def with_trees(planner: Planner, trees) -> Planner:
+    """`planner` with the tree budget estimator `trees` (see `tree_chooser`) where it drafts at all; trees are
+    this planner's own (a batch's shared planner never gets them)."""
     if trees is not None and (planner.drafting or planner.choice is not None):
         planner.trees = trees
     return planner
 
 
-def tree_chooser(tree_budget: Union[int, str], reproducible: bool = False):
-    """The budget estimator for a `tree_budget` option: `FixedBudget(B)` or, for "auto", a `TreeBudget`."""
+def tree_chooser(tree_budget: Union[int, str, None], reproducible: bool = False):
+    """The budget estimator for a `tree_budget` option: `FixedBudget(B)`, for "auto" a `TreeBudget`, for None
+    none; anything else is refused in one line."""
+    if tree_budget is None:
+        return None
     if tree_budget == "auto":
         return TreeBudget(cost=nominal_cost if reproducible else None)
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
@@ -223,12 +232,9 @@ def planner_for(drafting, *, width=None, planner=None, block_size: Optional[int]
                 sources: Optional[SourceChoice] = None, lookup=None, tree_budget=None,
                 reproducible: bool = False) -> Planner:
     """`_planner_for` with draft trees on where `tree_budget` says (see `build_planner`)."""
-    trees = tree_chooser(tree_budget, reproducible) if tree_budget is not None else None  # checked first
-    built = _planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
-                         lookup=lookup)
-    if trees is not None and (built.drafting or built.choice is not None):
-        built.trees = trees
-    return built
+    trees = tree_chooser(tree_budget, reproducible)  # a bad value is refused first, whatever else is given
+    return with_trees(_planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
+                                   lookup=lookup), trees)
 
 
 def _planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,

@@ -124,10 +124,7 @@ def accepted_path(values: Sequence[int], proposal: TreeProposal, stops: set):
     path_len = len(values) - 2 - n
     path = values[2 : 2 + path_len][:acc]
     drafts = values[2 + path_len :]
-    tokens = [drafts[s - 1] for s in path] + [fix]
-    stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
-    tokens = tokens if stop_at is None else tokens[: stop_at + 1]
-    return tokens, acc, [0] + list(path)
+    return cut_at_stop([drafts[s - 1] for s in path] + [fix], stops), acc, [0] + list(path)
 
 
 def first_choices(proposal: TreeProposal, path: Sequence[int], chain_width: Optional[int]):
@@ -153,9 +150,13 @@ def first_choices(proposal: TreeProposal, path: Sequence[int], chain_width: Opti
 def accepted_tokens(values: Sequence[int], width: int, stops: set):
     """(tokens to commit, drafts accepted) from a pass's packed result; a stop token ends the commit."""
     acc, choice = values[0], values[1 : 1 + width]
-    tokens = list(values[1 + width : 1 + width + acc]) + [choice[acc]]
+    return cut_at_stop(list(values[1 + width : 1 + width + acc]) + [choice[acc]], stops), acc
+
+
+def cut_at_stop(tokens: List[int], stops: set) -> List[int]:
+    """`tokens` up to and including the first stop token."""
     stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
-    return (tokens if stop_at is None else tokens[: stop_at + 1]), acc
+    return tokens if stop_at is None else tokens[: stop_at + 1]
 
 
 class Decoder:
@@ -283,18 +284,15 @@ class Decoder:
 
     def finish(self, launch: Launch, values: Sequence[int], seconds: float) -> Pass:
         """Commit the pass whose packed result was read as `values`; `seconds` is its cost."""
-        width = launch.width
-        if launch.write is not None:
+        width, recorded, chain = launch.width, launch.width, None
+        if launch.write is not None:  # (a tree is never deeper than the room left: the planner's width)
             tokens, acc, slots = accepted_path(values, launch.proposal, self.stops)
-            tokens = tokens[: max(1, int(min(len(tokens), self.limit - self.emitted)))]  # (trees stay within it)
             chain = first_choices(launch.proposal, slots[1 : acc + 1], launch.chain_width)
-            # A lookup tree is recorded as lookup's pass as deep as the tree, for the source choice's estimates.
-            width = max(launch.proposal.depths) + 1 if launch.proposal.source == LOOKUP else width
+            if launch.proposal.source == LOOKUP:  # lookup's pass as deep as the tree, for the source choice
+                recorded = max(launch.proposal.depths) + 1
         else:
             tokens, acc = accepted_tokens(values, width, self.stops)
-            chain = None
-        self.planner.record(width, acc, seconds, launch.proposal.source, launch.budget, launch.context, chain)
-        width = launch.width
+        self.planner.record(recorded, acc, seconds, launch.proposal.source, launch.budget, launch.context, chain)
         self.mark("host")
         keep = len(tokens)
         if launch.write is not None:

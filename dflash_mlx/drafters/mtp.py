@@ -289,7 +289,7 @@ def _layer(model_type: str, text: dict, num_layers: int):
     return qwen3_5.DecoderLayer, qwen3_5.TextModelArgs.from_dict(dict(text, **overrides))
 
 
-def _quantize(drafter: MTPDrafter, weights: Dict[str, mx.array], quantization: Optional[dict]) -> None:
+def _quantize(drafter: nn.Module, weights: Dict[str, mx.array], quantization: Optional[dict]) -> None:
     """Quantize the modules stored quantized (`<path>.scales`), with bits and group size read off their shapes."""
     mode = (quantization or {}).get("mode", "affine")
     stored = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
@@ -350,14 +350,20 @@ def load_mtp_drafter(model_path, target_model=None, block_size: int = 3,
     mtp = MTPConfig(model_type, int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"]),
                     num_layers, int(block_size))
     drafter = MTPDrafter(mtp, layer_class, layer_args)
-    _quantize(drafter, weights, config.get("quantization") or config.get("quantization_config"))
+    _load_weights(drafter, weights, config.get("quantization") or config.get("quantization_config"),
+                  f"target '{model_path}': its mtp.* tensors do not fit a {model_type} MTP block")
+    return _with_norm(drafter, target_model)
+
+
+def _load_weights(drafter: nn.Module, weights: Dict[str, mx.array], quantization: Optional[dict],
+                  misfit: str) -> None:
+    """Quantize what was stored quantized, load every tensor strictly; a misfit is one line (`misfit: why`)."""
+    _quantize(drafter, weights, quantization)
     try:
         drafter.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise DFlashError(f"target '{model_path}': its mtp.* tensors do not fit a {model_type} MTP block: "
-                          f"{str(e).splitlines()[0]}") from e
+        raise DFlashError(f"{misfit}: {str(e).splitlines()[0]}") from e
     mx.eval(drafter.parameters())
-    return _with_norm(drafter, target_model)
 
 
 def _with_norm(drafter: MTPDrafter, target_model) -> MTPDrafter:

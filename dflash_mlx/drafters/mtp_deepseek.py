@@ -25,8 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..errors import DFlashError
-from .mtp import MTPConfig, MTPDrafter, _Borrowed, _quantize, _read, _shards, _no_mtp
+from .mtp import MTPConfig, MTPDrafter, _Borrowed, _load_weights, _no_mtp, _read, _shards
 
 DEEPSEEK_FAMILIES = ("deepseek_v3", "kimi_k25")
 # Where the nextn layer lives: plain DeepSeek-V3 checkpoints, and the nested multimodal layouts (Kimi K2.5).
@@ -124,12 +123,7 @@ def load_deepseek_mtp(folder: Path, config: dict, model_path, block_size: int) -
                     int(block_size))
     drafter = DeepseekMTPDrafter(mtp, args, own_embed="embed_tokens.weight" in weights,
                                  own_head="shared_head.head.weight" in weights)
-    _quantize(drafter, weights, config.get("quantization") or text.get("quantization")
-              or config.get("quantization_config"))
-    try:
-        drafter.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise DFlashError(f"target '{model_path}': its {where} do not fit a DeepSeek-V3 MTP layer: "
-                          f"{str(e).splitlines()[0]}") from e
-    mx.eval(drafter.parameters())
+    _load_weights(drafter, weights, config.get("quantization") or text.get("quantization")
+                  or config.get("quantization_config"),
+                  f"target '{model_path}': its {where} do not fit a DeepSeek-V3 MTP layer")
     return drafter

@@ -89,10 +89,14 @@ class DFlashProposer:
     def offer(self, state: DecodeState, widest: int) -> Optional[Offer]:
         return Offer(DFLASH, min(widest, self.drafter.block_size))
 
-    def propose(self, state: DecodeState, acceptor: Acceptor, width: int, offer: Optional[Offer]) -> Proposal:
+    def _block(self, state: DecodeState, width: int):
+        """(the features flushed into the draft cache, the block ids [1, width] to draft from)."""
         self.check_mask()
         flushed = state.flush_context(self.drafter)
-        block_ids = mx.array([[state.last_token] + [self.mask_token_id] * (width - 1)], dtype=mx.int32)
+        return flushed, mx.array([[state.last_token] + [self.mask_token_id] * (width - 1)], dtype=mx.int32)
+
+    def propose(self, state: DecodeState, acceptor: Acceptor, width: int, offer: Optional[Offer]) -> Proposal:
+        flushed, block_ids = self._block(state, width)
         proposal = self._draw(block_ids, state.draft_cache, acceptor, state.last_token)
         return replace(proposal, flushed=flushed)
 
@@ -103,10 +107,7 @@ class DFlashProposer:
         and logits processors would make each node's row depend on its own path."""
         if getattr(self.drafter, "draft_walk", None) is not None or getattr(acceptor, "processors", None):
             return None
-        self.check_mask()
-        width = min(width, self.drafter.block_size)
-        flushed = state.flush_context(self.drafter)
-        block_ids = mx.array([[state.last_token] + [self.mask_token_id] * (width - 1)], dtype=mx.int32)
+        flushed, block_ids = self._block(state, min(width, self.drafter.block_size))
         logits = self.drafter(block_ids, state.draft_cache)[0]
         proposal = propose_tree(logits, acceptor, budget)
         if proposal is None:
