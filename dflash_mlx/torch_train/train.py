@@ -50,6 +50,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (or --minutes)")
     p.add_argument("--minutes", type=float, default=None,
                    help="fill this many minutes: time a few steps first, then fix --steps and the schedule")
+    p.add_argument("--until", type=float, default=None,
+                   help="fill the time until this Unix time (like --minutes, counted from when the steps start, "
+                        "so loading the target and the data eats into it); the run stops and saves by then")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-layers", type=int, default=5)
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
@@ -76,8 +79,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter's training forward")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.steps is None and args.minutes is None and not args.resume:
-        p.error("give --steps or --minutes")
+    if args.steps is None and args.minutes is None and args.until is None and not args.resume:
+        p.error("give --steps, --minutes or --until")
     if args.block_size < 2 or args.num_layers < 1 or args.rows < 1 or args.anchors < 1 or args.accum < 1:
         p.error("--block-size must be at least 2; --num-layers, --rows, --anchors and --accum positive")
     if args.seq_len < args.block_size + 2:
@@ -292,12 +295,17 @@ def _train(args, log) -> int:
         run.restore()
         log(f"resumed at step {run.step} of {run.steps}")
     elif args.steps is None:
-        run.steps = run.calibrate(args.minutes)
+        minutes = args.minutes if args.until is None else (args.until - time.time()) / 60
+        if minutes <= 0:
+            raise DFlashError(f"--until is {-60 * minutes:.0f} s in the past once the target and data are loaded")
+        run.steps = run.calibrate(minutes)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_args.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
                                                          for k, v in vars(args).items()}, indent=1) + "\n")
     flops = step_flops(run.config, args.rows, args.anchors, args.seq_len) * args.accum
     deadline = time.perf_counter() + 60 * args.minutes * 1.05 if args.minutes else None
+    if args.until is not None:  # a hard end: the last step, its evaluation and the save fit before it
+        deadline = time.perf_counter() + (args.until - time.time()) - 5
     history = open(args.out / "log.jsonl", "a")
     tic = time.perf_counter()
     while run.step < run.steps:
