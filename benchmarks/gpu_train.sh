@@ -89,7 +89,7 @@ prepare() {  # install dflash-mlx and gguf, make the training data (both from th
     # Documented, widely read libraries (reading every package there would take minutes), and the standard library.
     local purelib roots=() name
     purelib=$(cd "$WORK" && "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    for name in ${CODE_PACKAGES:-transformers sklearn scipy pandas networkx sympy matplotlib requests rich click \
+    for name in ${CODE_PACKAGES:-transformers torch jax sklearn scipy pandas networkx sympy matplotlib requests rich click \
             jinja2 werkzeug numpy}; do
         [ -d "$purelib/$name" ] && roots+=(--code-root "$purelib/$name")
     done
