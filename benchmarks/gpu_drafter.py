@@ -9,6 +9,7 @@ against the sha256 the machine recorded (same target, same bf16 rounding), so a 
 
     python benchmarks/gpu_drafter.py pack RUN_DIR OUT_DIR [--file-mib 15] [--extra FILE ...]
     python benchmarks/gpu_drafter.py restore BACK_DIR TARGET_HF_DIR OUT_DIR
+    python benchmarks/gpu_drafter.py curve LOG_JSONL PNG [--title T]   # held-out block τ vs training FLOPs
 """
 
 from __future__ import annotations
@@ -87,6 +88,20 @@ def restore(back: Path, target: Path, out: Path) -> None:
     print(f"restored {len(weights)} tensors into {out}")
 
 
+def curve(log: Path, png: Path, title: str) -> None:
+    """The run's held-out block acceptance (teacher-forced blocks on held-out rows) against training FLOPs, drawn
+    as the training card draws its curve, with the card's log-linear projection to τ 3.5."""
+    from dflash_mlx.train.card import plot_curve, projection_text
+
+    history = [{"step": r["step"], "flops": r["flops"], "slots": r["slots"], "tau": r["eval_tau"]}
+               for r in map(json.loads, log.read_text().splitlines()) if "eval_tau" in r]
+    note = plot_curve(history, png, title)
+    for h in history:
+        print(f"step {h['step']:5d}  {h['slots'] / 1e6:6.2f} M slots  {h['flops']:.3g} FLOPs  block tau {h['tau']:.3f}")
+    print(note or f"wrote {png}")
+    print(projection_text(history[len(history) // 2:]))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -99,8 +114,14 @@ def main(argv=None) -> None:
     b.add_argument("back", type=Path)
     b.add_argument("target", type=Path)
     b.add_argument("out", type=Path)
+    c = sub.add_parser("curve")
+    c.add_argument("log", type=Path)
+    c.add_argument("png", type=Path)
+    c.add_argument("--title", default="held-out block τ (B=16) vs training FLOPs")
     args = p.parse_args(argv)
-    if args.cmd == "pack":
+    if args.cmd == "curve":
+        curve(args.log, args.png, args.title)
+    elif args.cmd == "pack":
         pack(args.run, args.out, args.file_mib, args.extra)
     else:
         restore(args.back, args.target, args.out)

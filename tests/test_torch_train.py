@@ -6,6 +6,7 @@ drafter trained in PyTorch loads with our loader and drafts for our engine, loss
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -233,3 +234,66 @@ def test_the_pytorch_target_from_a_real_gguf_is_ours(tmp_path):
     scale = np.abs(np.asarray(hidden[0])).max()
     assert np.abs(theirs - np.asarray(hidden[0])).max() < 1e-4 * scale
     np.testing.assert_array_equal(target.argmax_rows(np.array([ids]))[0], np.asarray(logits[0].argmax(-1)))
+
+
+def test_until_fills_the_time_left_and_stops_by_it(tmp_path, capsys):
+    """`--until T` fixes the step count (and the schedule) from the time left once the target and data are loaded,
+    and the run has saved before T; a T already past is one clear line."""
+    import time
+
+    from dflash_mlx.torch_train.train import main
+
+    data = _tiny_hf_target(tmp_path / "target")
+    common = ["--target", str(tmp_path / "target"), "--data", str(data), "--block-size", "4", "--num-layers", "1",
+              "--intermediate-size", "64", "--rows", "2", "--anchors", "8", "--seq-len", "64", "--eval-prompts", "2",
+              "--eval-every", "0", "--dtype", "fp32", "--device", "cpu", "--draft-vocab", "64"]
+    assert main(common + ["--out", str(tmp_path / "past"), "--until", str(time.time() - 5)]) == 2
+    assert "--until is" in capsys.readouterr().err and not (tmp_path / "past").exists()
+    until = time.time() + 12
+    assert main(common + ["--out", str(tmp_path / "run"), "--until", str(until)]) == 0
+    assert time.time() < until + 1  # the last step, its evaluation and the save fit before T
+    planned = int(re.search(r"-> (\d+) steps", capsys.readouterr().out).group(1))
+    last = json.loads((tmp_path / "run/log.jsonl").read_text().splitlines()[-1])
+    assert planned > 10 and planned * 0.5 < last["step"] <= planned  # the schedule was sized to the time, not cut short
+    assert (tmp_path / "run/model.safetensors").is_file()
+
+
+def test_a_drafter_packed_without_its_head_is_restored_whole(tmp_path):
+    """benchmarks/gpu_drafter.py: the GPU machine returns the drafter without its head rows (the target's own rows,
+    picked by d2t); restoring them from the same target gives the trained file back tensor for tensor, and a
+    different target is refused."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_mlx.torch_train.train import main
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_drafter.py"
+    spec = importlib.util.spec_from_file_location("gpu_drafter", script)
+    gpu_drafter = sys.modules["gpu_drafter"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_drafter)
+
+    data = _tiny_hf_target(tmp_path / "target")
+    assert main(["--target", str(tmp_path / "target"), "--data", str(data), "--block-size", "4", "--num-layers", "1",
+                 "--intermediate-size", "64", "--rows", "2", "--anchors", "8", "--seq-len", "64", "--eval-prompts", "2",
+                 "--eval-every", "0", "--device", "cpu", "--draft-vocab", "64", "--steps", "3",
+                 "--out", str(tmp_path / "run")]) == 0
+    gpu_drafter.pack(tmp_path / "run", tmp_path / "back", file_mib=0.05)
+    assert len(list((tmp_path / "back").glob("layers-*.safetensors"))) > 1  # cut to the size asked
+    assert all("lm_head.weight" not in load_file(str(f)) for f in (tmp_path / "back").glob("layers-*"))
+    gpu_drafter.restore(tmp_path / "back", tmp_path / "target", tmp_path / "whole")
+    trained, restored = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("run", "whole"))
+    assert trained.keys() == restored.keys()
+    for name in trained:
+        assert torch.equal(trained[name], restored[name]), name
+    assert (tmp_path / "whole/config.json").read_text() == (tmp_path / "run/config.json").read_text()
+
+    other = tmp_path / "other"
+    other.mkdir()
+    weights = load_file(str(tmp_path / "target/model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 1.01
+    save_file(weights, str(other / "model.safetensors"))
+    with pytest.raises(SystemExit, match="another target"):
+        gpu_drafter.restore(tmp_path / "back", other, tmp_path / "wrong")
