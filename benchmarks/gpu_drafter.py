@@ -10,6 +10,11 @@ against the sha256 the machine recorded (same target, same bf16 rounding), so a 
     python benchmarks/gpu_drafter.py pack RUN_DIR OUT_DIR [--file-mib 15] [--extra FILE ...]
     python benchmarks/gpu_drafter.py restore BACK_DIR TARGET_HF_DIR OUT_DIR
     python benchmarks/gpu_drafter.py curve LOG_JSONL PNG [--title T]   # held-out block τ vs training FLOPs
+    python benchmarks/gpu_drafter.py init DRAFTER_DIR TARGET_DIR OUT_DIR  # a shipped drafter, packed to start from
+
+`init` (here, with MLX) turns a converted, possibly quantized drafter back into the trainer's bf16 layout — its
+layers dequantized, its head rows the target's exact ones — and packs it like `pack`, so a GPU stay can continue
+from it (`restore` there, then `python -m dflash_mlx.torch_train --init`).
 """
 
 from __future__ import annotations
@@ -70,22 +75,44 @@ def restore(back: Path, target: Path, out: Path) -> None:
     for k in range(info["files"]):
         weights.update(load_file(str(back / f"layers-{k}.safetensors")))
     if info["head"] is not None:
-        d2t = weights["d2t"].numpy().astype(np.int64)
-        ids = torch.as_tensor(np.arange(len(d2t)) + d2t)
-        source = {}
-        for f in sorted(target.glob("*.safetensors")):
-            source.update({k: v for k, v in load_file(str(f)).items() if k in ("lm_head.weight",
-                                                                               "model.embed_tokens.weight")})
-        table = source.get("lm_head.weight", source.get("model.embed_tokens.weight"))
-        if table is None:
-            sys.exit(f"{target}: neither lm_head.weight nor model.embed_tokens.weight")
-        head = table[ids].to(getattr(torch, info["head"]["dtype"])).contiguous()
+        head = _head_rows(target, weights["d2t"]).to(getattr(torch, info["head"]["dtype"])).contiguous()
         if list(head.shape) != info["head"]["shape"] or _digest(head) != info["head"]["sha256"]:
             sys.exit(f"the head rows rebuilt from {target} differ from the trained drafter's: another target?")
         weights[HEAD] = head
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "carry.json").unlink()
     print(f"restored {len(weights)} tensors into {out}")
+
+
+def init(drafter_dir: Path, target: Path, out: Path, file_mib: float = 15) -> None:
+    import tempfile
+
+    import mlx.core as mx
+
+    from dflash_mlx.drafters.io import dequantize_drafter, read_drafter, save_drafter
+
+    drafter = read_drafter(drafter_dir)
+    dequantize_drafter(drafter, mx.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = save_drafter(drafter, Path(tmp) / "run")
+        weights = load_file(str(run / "model.safetensors"))
+        if HEAD in weights:  # the exact rows, not their 8-bit rounding: what the trainer freezes
+            weights[HEAD] = _head_rows(target, weights["d2t"]).to(weights[HEAD].dtype)
+            save_file(weights, str(run / "model.safetensors"), metadata={"format": "pt"})
+        pack(run, out, file_mib)
+
+
+def _head_rows(target: Path, d2t: torch.Tensor) -> torch.Tensor:
+    """The target's output-embedding rows (tied or untied) picked by `d2t`: row i is target id i + d2t[i]."""
+    d2t = d2t.numpy().astype(np.int64)
+    source = {}
+    for f in sorted(target.glob("*.safetensors")):
+        source.update({k: v for k, v in load_file(str(f)).items() if k in ("lm_head.weight",
+                                                                           "model.embed_tokens.weight")})
+    table = source.get("lm_head.weight", source.get("model.embed_tokens.weight"))
+    if table is None:
+        sys.exit(f"{target}: neither lm_head.weight nor model.embed_tokens.weight")
+    return table[torch.as_tensor(np.arange(len(d2t)) + d2t)]
 
 
 def curve(log: Path, png: Path, title: str) -> None:
@@ -118,8 +145,14 @@ def main(argv=None) -> None:
     c.add_argument("log", type=Path)
     c.add_argument("png", type=Path)
     c.add_argument("--title", default="held-out block τ (B=16) vs training FLOPs")
+    i = sub.add_parser("init")
+    i.add_argument("drafter", type=Path)
+    i.add_argument("target", type=Path)
+    i.add_argument("out", type=Path)
     args = p.parse_args(argv)
-    if args.cmd == "curve":
+    if args.cmd == "init":
+        init(args.drafter, args.target, args.out)
+    elif args.cmd == "curve":
         curve(args.log, args.png, args.title)
     elif args.cmd == "pack":
         pack(args.run, args.out, args.file_mib, args.extra)

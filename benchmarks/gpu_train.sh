@@ -7,7 +7,8 @@
 # machine's own Python packages, while the pieces arrive.
 #
 # Here, before the stay (the shipped drafter moved aside so the tree stays small):
-#   bash benchmarks/gpu_train.sh loads .gpu          # .gpu/00, 01, ...: each command's load (<= LOAD_MIB)
+#   bash benchmarks/gpu_train.sh loads .gpu          # .gpu/00, 01, ...: each command's load (<= LOAD_MIB); with
+#                                                    # INIT_FROM (default: the shipped drafter) one more to continue
 #   mv dflash_mlx/drafters/qwen2.5-coder-0.5b/model.safetensors /tmp/
 # There, one command each, back to back (carry .gpu/NN):
 #   bash benchmarks/gpu_train.sh receive .gpu/00 --prepare   # + starts installing and making the data
@@ -16,7 +17,7 @@
 #                                                            # starts; the drafter's files land in $OUT
 # Here, after:
 #   bash benchmarks/gpu_train.sh back FILES_DIR OUT          # the z-lab-layout drafter (head rows from the target)
-# Settings (environment): ANSWER_MAX_S, ANSWER_TOKENS, ANSWER_BATCH, TORCH_FLAGS, CODE_BYTES, PROMPTS, WORK,
+# Settings (environment): INIT_FROM, INIT_LR, ANSWER_MAX_S, ANSWER_TOKENS, ANSWER_BATCH, TORCH_FLAGS, CODE_BYTES, PROMPTS, WORK,
 # LOAD_MIB, PY.
 set -euo pipefail
 
@@ -35,6 +36,8 @@ TORCH_FLAGS=${TORCH_FLAGS:---labels target --block-size 16 --num-layers 3 --inte
 LOAD_MIB=${LOAD_MIB:-59}             # one command's pieces (the tree, ~4.3 MiB without the shipped drafter, too)
 GGUF=${GGUF:-$HOME/.cache/dflash-mlx/gguf/qwen2.5-coder-0.5b.gguf}
 TARGET_DIR=${TARGET_DIR:-$HOME/.cache/dflash-mlx/models/qwen2.5-coder-0.5b}  # the engine's target, here
+INIT_FROM=${INIT_FROM-dflash_mlx/drafters/qwen2.5-coder-0.5b}  # continue from this drafter ('' : a fresh one)
+INIT_LR=${INIT_LR:-3e-4}             # peak learning rate of a continued run's new schedule
 export DFLASH_MLX_NO_BLAS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -59,6 +62,11 @@ loads() {  # loads DEST: the GGUF in LOAD_MIB pieces, one per command; the gguf 
         k=$((k + 1))
     done
     mv "$stage"/*.whl "$dest/00/"
+    if [ -n "$INIT_FROM" ]; then  # the drafter to continue from gets the load before the last
+        mv "$dest/$(printf %02d $((k - 1)))" "$dest/$(printf %02d $k)"
+        "$PY" benchmarks/gpu_drafter.py init "$INIT_FROM" "$TARGET_DIR" "$dest/$(printf %02d $((k - 1)))/init"
+        k=$((k + 1))
+    fi
     mv "$stage"/*.manifest.json "$dest/$(printf %02d $((k - 1)))/"  # with the last piece: join once all are there
     tar -cJf "$dest/$(printf %02d $((k - 1)))/tokenizer.tar.xz" -C "$TARGET_DIR" tokenizer.json \
         tokenizer_config.json $(cd "$TARGET_DIR" && ls chat_template.jinja 2>/dev/null)
@@ -119,12 +127,16 @@ c('target.gguf', 'target.hf', progress=False)")
     (cd "$WORK" && "$PY" -m dflash_mlx.torch_train.answer --target target.hf --prompts data/prompts.jsonl \
         --out data/answers.jsonl --max-tokens "$ANSWER_TOKENS" --batch "$ANSWER_BATCH" \
         --minutes "$(awk -v s="$answer_s" 'BEGIN{print s / 60}')") || stamp "answers failed: training on code alone"
-    local data=(--data data/code)
+    local data=(--data data/code) init=()
+    if [ -d "$IN/init" ]; then  # continue from the drafter carried in: its layers, head rows from the target
+        "$PY" "$HERE/benchmarks/gpu_drafter.py" restore "$IN/init" "$WORK/target.hf" "$WORK/init"
+        init=(--init init --lr "$INIT_LR")
+    fi
     [ -s "$WORK/data/answers.jsonl" ] && data=(--data data/answers.jsonl "${data[@]}")
     stamp "training until $(date -d @$((end - PACK_S)) +%H:%M:%S)"
     # shellcheck disable=SC2086
     (cd "$WORK" && timeout -k 5 $((end - PACK_S + 10 - $(date +%s))) "$PY" -m dflash_mlx.torch_train \
-        --target target.hf "${data[@]}" --out run $TORCH_FLAGS --until $((end - PACK_S))) \
+        --target target.hf "${data[@]}" --out run $TORCH_FLAGS "${init[@]}" --until $((end - PACK_S))) \
         || stamp "training stopped early (status $?): packing its last checkpoint"
     "$PY" "$HERE/benchmarks/gpu_drafter.py" pack "$WORK/run" "$OUT" --extra "$WORK/prepare.log"
     stamp "main done, $(( $(date +%s) - t0 )) s"

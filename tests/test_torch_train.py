@@ -297,3 +297,37 @@ def test_a_drafter_packed_without_its_head_is_restored_whole(tmp_path):
     save_file(weights, str(other / "model.safetensors"))
     with pytest.raises(SystemExit, match="another target"):
         gpu_drafter.restore(tmp_path / "back", other, tmp_path / "wrong")
+
+
+def test_a_shipped_quantized_drafter_packs_back_for_a_continued_run(tmp_path):
+    """`gpu_drafter.py init`: a converted 8-bit drafter becomes the trainer's bf16 layout again (layers dequantized,
+    head rows the target's exact ones), packs without its head, restores, and a run starts from it (`--init`)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dflash_mlx.convert.drafter import convert_drafter
+    from dflash_mlx.torch_train.train import main
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_drafter.py"
+    spec = importlib.util.spec_from_file_location("gpu_drafter", script)
+    gpu_drafter = sys.modules["gpu_drafter"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_drafter)
+
+    data = _tiny_hf_target(tmp_path / "target")
+    common = ["--target", str(tmp_path / "target"), "--data", str(data), "--block-size", "4", "--rows", "2",
+              "--anchors", "8", "--seq-len", "64", "--eval-prompts", "2", "--eval-every", "0", "--device", "cpu",
+              "--steps", "2"]
+    assert main(common + ["--num-layers", "1", "--intermediate-size", "64", "--draft-vocab", "64",
+                          "--out", str(tmp_path / "run")]) == 0
+    convert_drafter(str(tmp_path / "run"), tmp_path / "q8", q_bits=8, q_group_size=32)
+    gpu_drafter.init(tmp_path / "q8", tmp_path / "target", tmp_path / "pack")
+    gpu_drafter.restore(tmp_path / "pack", tmp_path / "target", tmp_path / "init")
+    trained, back = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("run", "init"))
+    assert torch.equal(back["lm_head.weight"], trained["lm_head.weight"])  # exact rows, not their 8-bit rounding
+    assert torch.equal(back["d2t"].long(), trained["d2t"].long())
+    w = trained["layers.0.mlp.up_proj.weight"].float()
+    assert (back["layers.0.mlp.up_proj.weight"].float() - w).abs().max() < 0.02 * w.abs().max()
+    assert main(common + ["--init", str(tmp_path / "init"), "--out", str(tmp_path / "more")]) == 0
