@@ -276,6 +276,7 @@ def build_tokenizer(gguf: GGUFFile):
         raise DFlashError(f"cannot rebuild the tokenizer of '{gguf.path.name}' "
                           f"({tok.get('tokenizer_type')}): {' '.join(str(e).split())}") from None
     backend = getattr(backend, "backend_tokenizer", backend)
+    add_typed_tokens(backend, tok["tokens"], tok.get("token_type"))
     if tok.get("pre_tokenizer_type") in _DIGIT_SPLIT_PRETOKENIZERS:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
@@ -295,6 +296,30 @@ def build_tokenizer(gguf: GGUFFile):
     if template:
         hf.chat_template = str(template)
     return hf
+
+
+# GGUF token types (llama.cpp's llama_token_type): control tokens are special, user-defined ones are added text.
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+
+
+def add_typed_tokens(backend, tokens: List[str], types: Optional[List[int]]) -> None:
+    """Make every control and user-defined token of the GGUF an added token of `backend` (control ones special),
+    so each is matched whole in text. Some transformers versions add only BOS/EOS/PAD when they rebuild a GGUF
+    tokenizer; then `<|fim_prefix|>` or `<|file_sep|>` would be split into pieces, and the rebuilt tokenizer would
+    differ with the transformers version installed."""
+    from tokenizers import AddedToken
+
+    if types is None:
+        return
+    have = {t.content for t in backend.get_added_tokens_decoder().values()}
+    wanted = [(tokens[i], int(t) == GGUF_CONTROL) for i, t in enumerate(types)
+              if int(t) in (GGUF_CONTROL, GGUF_USER_DEFINED) and i < len(tokens) and tokens[i] not in have]
+    special = [AddedToken(text, special=True, normalized=False) for text, is_control in wanted if is_control]
+    plain = [AddedToken(text, special=False, normalized=False) for text, is_control in wanted if not is_control]
+    if special:
+        backend.add_special_tokens(special)
+    if plain:
+        backend.add_tokens(plain)
 
 
 def _set_add_bos(hf, add_bos: bool, bos: Optional[str]) -> None:

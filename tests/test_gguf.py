@@ -415,3 +415,24 @@ def test_cli_converts(tmp_path, capsys):
     assert main(["convert", "--gguf", str(path), str(tmp_path / "out"), "--force"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float32"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]  # no temporary folder left behind
+
+
+def test_control_and_user_defined_tokens_become_added_tokens():
+    """A rebuilt GGUF tokenizer matches every control / user-defined token whole, whatever the transformers version
+    added itself: control tokens as special, user-defined ones as plain added text; nothing is added twice."""
+    from tokenizers import Tokenizer, models
+
+    from dflash_mlx.convert.gguf import GGUF_CONTROL, GGUF_USER_DEFINED, add_typed_tokens
+
+    tokens = ["a", "b", "<", "|", "x", ">", "t", "/", "<|x|>", "<t>", "<eos>"]
+    types = [1] * 8 + [GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_CONTROL]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    backend.add_special_tokens(["<eos>"])  # what a converter may have added already
+    assert backend.encode("a<|x|>b<t>").ids != [0, 8, 1, 9]  # split into pieces before
+    add_typed_tokens(backend, tokens, types)
+    assert backend.encode("a<|x|>b<t>").ids == [0, 8, 1, 9]
+    added = {t.content: t.special for t in backend.get_added_tokens_decoder().values()}
+    assert added == {"<|x|>": True, "<t>": False, "<eos>": True}
+    add_typed_tokens(backend, tokens, types)  # idempotent
+    add_typed_tokens(backend, tokens, None)  # no types in the file: nothing to do
+    assert len(backend.get_added_tokens_decoder()) == 3
