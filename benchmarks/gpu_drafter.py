@@ -67,20 +67,28 @@ def pack(run: Path, out: Path, file_mib: float, extra=()) -> None:
 
 
 def restore(back: Path, target: Path, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    if not (back / "meta.tar.gz").is_file():
+        sys.exit(f"{back}: no meta.tar.gz; pass the folder the GPU machine's files were copied into")
+    if out.exists() and any(out.iterdir()):
+        sys.exit(f"{out} is not empty; pass a new folder")
     with tarfile.open(back / "meta.tar.gz") as tar:
-        tar.extractall(out, filter="data")
-    info = json.loads((out / "carry.json").read_text())
+        info = json.loads(tar.extractfile("carry.json").read())
     weights = {}
     for k in range(info["files"]):
-        weights.update(load_file(str(back / f"layers-{k}.safetensors")))
+        part = back / f"layers-{k}.safetensors"
+        if not part.is_file():
+            sys.exit(f"{part} is missing: {info['files']} layer files were packed")
+        weights.update(load_file(str(part)))
     if info["head"] is not None:
         head = _head_rows(target, weights["d2t"]).to(getattr(torch, info["head"]["dtype"])).contiguous()
         if list(head.shape) != info["head"]["shape"] or _digest(head) != info["head"]["sha256"]:
             sys.exit(f"the head rows rebuilt from {target} differ from the trained drafter's: another target?")
         weights[HEAD] = head
+    # Everything checked: only now is `out` written (a refused restore leaves nothing behind).
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(back / "meta.tar.gz") as tar:
+        tar.extractall(out, members=[m for m in tar.getmembers() if m.name != "carry.json"], filter="data")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "carry.json").unlink()
     print(f"restored {len(weights)} tensors into {out}")
 
 

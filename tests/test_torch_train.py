@@ -258,22 +258,28 @@ def test_until_fills_the_time_left_and_stops_by_it(tmp_path, capsys):
     assert (tmp_path / "run/model.safetensors").is_file()
 
 
-def test_a_drafter_packed_without_its_head_is_restored_whole(tmp_path):
-    """benchmarks/gpu_drafter.py: the GPU machine returns the drafter without its head rows (the target's own rows,
-    picked by d2t); restoring them from the same target gives the trained file back tensor for tensor, and a
-    different target is refused."""
+def _gpu_drafter():
+    """benchmarks/gpu_drafter.py as a module (benchmarks are scripts, not a package)."""
     import importlib.util
     import sys
     from pathlib import Path
 
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_drafter.py"
+    spec = importlib.util.spec_from_file_location("gpu_drafter", script)
+    module = sys.modules["gpu_drafter"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_drafter_packed_without_its_head_is_restored_whole(tmp_path):
+    """benchmarks/gpu_drafter.py: the GPU machine returns the drafter without its head rows (the target's own rows,
+    picked by d2t); restoring them from the same target gives the trained file back tensor for tensor, and a
+    different target is refused."""
     from safetensors.torch import load_file, save_file
 
     from dflash_mlx.torch_train.train import main
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_drafter.py"
-    spec = importlib.util.spec_from_file_location("gpu_drafter", script)
-    gpu_drafter = sys.modules["gpu_drafter"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_drafter)
+    gpu_drafter = _gpu_drafter()
 
     data = _tiny_hf_target(tmp_path / "target")
     assert main(["--target", str(tmp_path / "target"), "--data", str(data), "--block-size", "4", "--num-layers", "1",
@@ -302,19 +308,12 @@ def test_a_drafter_packed_without_its_head_is_restored_whole(tmp_path):
 def test_a_shipped_quantized_drafter_packs_back_for_a_continued_run(tmp_path):
     """`gpu_drafter.py init`: a converted 8-bit drafter becomes the trainer's bf16 layout again (layers dequantized,
     head rows the target's exact ones), packs without its head, restores, and a run starts from it (`--init`)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
     from dflash_mlx.convert.drafter import convert_drafter
     from dflash_mlx.torch_train.train import main
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_drafter.py"
-    spec = importlib.util.spec_from_file_location("gpu_drafter", script)
-    gpu_drafter = sys.modules["gpu_drafter"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_drafter)
+    gpu_drafter = _gpu_drafter()
 
     data = _tiny_hf_target(tmp_path / "target")
     common = ["--target", str(tmp_path / "target"), "--data", str(data), "--block-size", "4", "--rows", "2",
