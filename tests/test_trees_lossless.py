@@ -94,7 +94,31 @@ def test_tree_budget_auto_is_lossless_and_tries_every_arm():
     t = TargetModel(model(kind))
     out, passes = run(t, ids, RunnerUpOracle(ids + ref, 8, every=4), tree_budget="auto")
     assert out == ref
-    assert {p.width for p in passes} >= {5, 9}  # trees of budget 4 and 8 ran besides chains
+    assert {p.width for p in passes} >= {4, 8, 16}  # trees of budget 3, 7 and 15 ran (16 rows: only a tree)
+
+
+class BlockRecorder(RunnerUpOracle):
+    """Also records the width of every block it drafts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.blocks: List[int] = []
+
+    def __call__(self, block_ids, cache):
+        self.blocks.append(block_ids.shape[1])
+        return super().__call__(block_ids, cache)
+
+
+def test_a_tree_drafts_no_deeper_than_its_budget():
+    # A tree of B nodes is at most B deep, so the drafter drafts B + 1 slots, not its whole block (it costs less).
+    kind = "qwen3"
+    ref = greedy(kind, LENGTH)
+    ids = prompt(LENGTH, seed=LENGTH)
+    drafter = BlockRecorder(ids + ref, 8, every=3)
+    out, passes = run(TargetModel(model(kind)), ids, drafter, tree_budget=3)
+    assert out == ref
+    assert 4 in {p.width for p in passes} and max(p.accepted for p in passes) >= 2
+    assert drafter.blocks and max(drafter.blocks) == 4
 
 
 def test_seeded_sampling_with_trees_reproduces():
@@ -148,17 +172,17 @@ def test_lookup_trees_are_lossless():
 def test_tree_budget_takes_the_fastest_arm_and_keeps_measuring():
     from dflash_mlx.decode.budget import CHAIN, TreeBudget
 
-    speed = {CHAIN: 2.0, 4: 3.0, 8: 2.5, 16: 1.0}  # tokens per second of each arm
+    speed = {CHAIN: 2.0, 3: 3.0, 7: 2.5, 15: 1.0}  # tokens per second of each arm
     chooser = TreeBudget(warmup=2, explore_every=24)
     chosen = []
     for _ in range(200):
         arm = chooser.choose()
         chosen.append(arm)
         chooser.record(arm, 3, 3 / speed[arm], 1 + (arm or 0))
-    assert chosen[:8] == [CHAIN, CHAIN, 4, 4, 8, 8, 16, 16]  # every arm measured first
+    assert chosen[:8] == [CHAIN, CHAIN, 3, 3, 7, 7, 15, 15]  # every arm measured first
     late = chosen[100:]
-    assert late.count(4) >= len(late) - len(late) // 24 - 1  # the fastest, but for re-measurements
-    assert {CHAIN, 8, 16} & set(late)  # the others are still re-measured now and then
+    assert late.count(3) >= len(late) - len(late) // 24 - 1  # the fastest, but for re-measurements
+    assert {CHAIN, 7, 15} & set(late)  # the others are still re-measured now and then
 
 
 def test_tree_budget_with_a_cost_model_ignores_the_clock():

@@ -61,7 +61,7 @@ class TreeBudget:
             follow acceptance alone, so a seed reproduces a run on any machine).
     """
 
-    def __init__(self, budgets: Sequence[int] = (4, 8, 16), *, warmup: int = 1, explore_every: int = 32,
+    def __init__(self, budgets: Sequence[int] = (3, 7, 15), *, warmup: int = 1, explore_every: int = 32,
                  decay: float = 0.9, cost: Optional[Callable[[int], float]] = None):
         self.arms = [CHAIN] + sorted(set(int(b) for b in budgets if b >= 1))
         self.warmup, self.explore_every, self.decay, self.cost = warmup, explore_every, decay, cost

@@ -84,8 +84,8 @@ class Planner:
             chain_rate = rates[min(width, len(rates)) - 1] if rates else None
             budget = self.trees.choose(plan.source, chain_rate)
             if budget is not None:
-                return Plan(self.drafting_source, self._deepest(width, room), budget=budget, chain_width=width,
-                            context=plan.source)
+                return Plan(self.drafting_source, self._deepest(width, room, budget), budget=budget,
+                            chain_width=width, context=plan.source)
             return replace(plan, context=plan.source)
         return plan
 
@@ -104,13 +104,16 @@ class Planner:
         if not self.drafting:
             return Plan(PLAIN, 1)
         if isinstance(self.trees, FixedBudget):
-            return Plan(self.drafting_source, self._deepest(width, room), budget=self.trees.budget,
-                        chain_width=width)
+            return Plan(self.drafting_source, self._deepest(width, room, self.trees.budget),
+                        budget=self.trees.budget, chain_width=width)
         return Plan(self.drafting_source, width)
 
-    def _deepest(self, width: int, room: int) -> int:
-        """How deep a tree may grow: as a fixed width allows, else as the drafter's block (within `room`)."""
-        return width if isinstance(self.widths, FixedWidth) else int(min(1 << 30, room))
+    def _deepest(self, width: int, room: int, budget: int) -> int:
+        """The width of a tree pass's drafted block (root included): as a fixed width allows, else as the drafter's
+        block (within `room`), and never more than `budget` + 1, since a tree of `budget` nodes is at most that deep
+        (a shorter block also costs the drafter less: it drafts only the positions a node can take)."""
+        deepest = width if isinstance(self.widths, FixedWidth) else int(min(1 << 30, room))
+        return min(deepest, budget + 1)
 
     @property
     def cuts(self) -> bool:
