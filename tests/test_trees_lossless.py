@@ -278,3 +278,39 @@ def test_first_choices_are_the_chain_a_tree_stood_in_for():
     assert first_choices(tree, [2, 5], 8) == (4, 0)  # the runner-up was taken: the chain's first draft missed
     assert first_choices(tree, [1, 3, 4], 3) == (3, 2)  # as wide as the chain the policy chose
     assert first_choices(tree, [], None) is None
+
+
+class _Schedule:
+    """A width source that always answers the same width (what the width policy chose)."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def choose(self) -> int:
+        return self.width
+
+    def record(self, width: int, accepted: int, seconds: float) -> None:
+        pass
+
+
+def test_auto_trees_may_replace_plain_decoding_but_never_a_lookup_copy():
+    from dflash_mlx.decode.budget import CHAIN, TreeBudget
+    from dflash_mlx.decode.planner import Plan, Planner
+    from dflash_mlx.decode.proposal import LOOKUP, PLAIN
+
+    # The policy chose plain decoding: "auto" measures plain itself first, then trees in its place, as deep as
+    # their budgets allow, falling back to plain (chain width 1) where no tree grows; then the fastest.
+    planner = Planner(_Schedule(1), trees=TreeBudget((3, 7)))
+    plans = []
+    for tokens in (1, 3, 2, 3, 3):  # committed by plain, the tree of 3, the tree of 7, then the winner
+        p = planner.plan({}, room=10)
+        plans.append(p)
+        planner.record(p.width, tokens - 1, 1.0, p.source if p.budget is None else "dflash", p.budget, p.context)
+    assert [(p.source, p.budget, p.width, p.chain_width) for p in plans[:3]] == [
+        (PLAIN, CHAIN, 1, None), ("dflash", 3, 4, 1), ("dflash", 7, 8, 1)]
+    assert {p.context for p in plans} == {PLAIN} and plans[3].budget == plans[4].budget == 3
+    assert planner.plan({}, room=1).budget is None  # no room for a draft: plain
+    # Without a drafter plain stays plain; a lookup copy is never replaced (the drafter's chain always may be).
+    assert Planner(_Schedule(1), trees=TreeBudget((3,)), drafting=False).plan({}, room=10).source == PLAIN
+    assert not planner._tree_may_replace(Plan(LOOKUP, 8), room=10)
+    assert planner._tree_may_replace(Plan("dflash", 8), room=10)

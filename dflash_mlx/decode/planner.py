@@ -76,10 +76,10 @@ class Planner:
             self.choice.take(offers.get(LOOKUP), offers.get(self.drafting_source))
         width = int(min(self.widths.choose(), room))
         plan = self._policy_plan(width, room)
-        if isinstance(self.trees, TreeBudget) and plan.source == self.drafting_source:
-            # "auto": a tree instead of the drafter's chain, where trees were measured faster than its chains
-            # (never instead of plain decoding or a lookup copy, which the policy chose over the drafter).
-            # The chain it would replace is worth what the policy expects of that width (its choice, or a probe).
+        if isinstance(self.trees, TreeBudget) and self._tree_may_replace(plan, room):
+            # "auto": a tree instead of the drafter's chain or of plain decoding, where trees were measured faster
+            # than that pass in that context (never instead of a lookup copy: a lucky tree must not take a
+            # 32-token copy's place). The pass it would replace is worth what the policy expects of its width.
             rates = self.policy.rates_per_second() if self.policy is not None and self.policy.measured() else None
             chain_rate = rates[min(width, len(rates)) - 1] if rates else None
             budget = self.trees.choose(plan.source, chain_rate)
@@ -88,6 +88,13 @@ class Planner:
                             chain_width=width, context=plan.source)
             return replace(plan, context=plan.source)
         return plan
+
+    def _tree_may_replace(self, plan: Plan, room: int) -> bool:
+        """Whether an "auto" tree may stand in for `plan`: the drafter's chain, or plain decoding where a drafter
+        could draft (a tree can pay where the drafter's chain would not: its runner-up choices are verified too)."""
+        if plan.source == self.drafting_source:
+            return True
+        return plan.source == PLAIN and self.drafting and room > 1 and not isinstance(self.widths, FixedWidth)
 
     def _policy_plan(self, width: int, room: int) -> Plan:
         """The pass the width policy (and the source choice) chose: plain, a lookup copy or a drafting pass (a
