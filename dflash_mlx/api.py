@@ -21,6 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .decode.acceptance import Acceptor
 from .decode.generation import Generation
 from .decode.lookup import LOOKUP_ONLY, drafter_model
+from .decode.budget import DEFAULT_TREES, default_trees
 from .decode.planner import Planner, renamed_width_args
 from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
@@ -83,7 +84,7 @@ def stream_generate(
     lookup: Optional[bool] = None,
     proposer=None,
     block_size: Optional[int] = None,
-    tree_budget: Union[int, str, None] = None,
+    tree_budget: Union[int, str, None] = DEFAULT_TREES,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
@@ -115,7 +116,8 @@ def stream_generate(
         block_size: deprecated name of `width` (an object there: of `planner`).
         tree_budget: each drafting pass verifies a draft tree of up to this many nodes in one target pass (DDTree:
             the drafter's likeliest continuations, several per position where it is unsure); "auto": the planner
-            chooses chain or tree budget by measured speed; None (default): chains. Lossless either way.
+            chooses chain or tree budget by measured speed; None: chains. Default: "auto", chains with a fixed
+            `width`. Lossless either way.
         sampling: the keywords of `decode.acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
             exactly as sampling the target alone (rejection sampling);
@@ -142,7 +144,7 @@ def stream_generate(
                             width=width, planner=planner, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
                             prefill_progress=prefill_progress, lookup=lookup, proposer=proposer,
-                            tree_budget=tree_budget, **sampling)
+                            tree_budget=default_trees(tree_budget, width), **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
 from . import console
+from .decode.budget import DEFAULT_TREES
 from .decode.lookup import drafter_model
 from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
@@ -50,7 +51,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, drafter, *, system: Optional[str] = None, max_tokens: int = 1024,
                  width: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None,
-                 lookup: Optional[bool] = None, block_size: Optional[int] = None, tree_budget=None):
+                 lookup: Optional[bool] = None, block_size: Optional[int] = None, tree_budget=DEFAULT_TREES):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.model = model

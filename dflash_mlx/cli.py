@@ -141,8 +141,7 @@ def generate(
     options = dict(max_tokens=max_tokens, width=block_size, seed=seed, **sampling)
     if no_lookup:
         options["lookup"] = False
-    if budget is not None:
-        options["tree_budget"] = budget
+    options["tree_budget"] = budget
     if verbose:
         from .drafters.families import describe
 

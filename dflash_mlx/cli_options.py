@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from .decode.budget import DEFAULT_TREES
 from .errors import DFlashError
 from .models.offline import DEFAULT_MODEL
 
@@ -33,17 +34,21 @@ NO_LOOKUP_OPTION = typer.Option(False, "--no-lookup", help="Never draft by copyi
                                 "each pass may, when that is faster than the drafter).")
 TREE_BUDGET_OPTION = typer.Option(None, "--tree-budget", help="Verify each drafted block as a tree of up to B "
                                   "tokens (the drafter's likeliest alternatives where it is unsure), in one target "
-                                  "pass; 'auto': chain or tree chosen by measured speed. Default: chains.")
+                                  "pass; 'auto': chain or tree chosen every pass by measured speed; 'off': chains. "
+                                  "Default: auto (off with --block-size).", show_default=False)
 
 
 def tree_budget_value(text: Optional[str]):
-    """--tree-budget's value: None, "auto" or a number of nodes >= 1 (one clear line otherwise)."""
-    if text is None or text == "auto":
-        return text
+    """--tree-budget's value: the default (not given), "auto", None ('off': chains) or a number of nodes >= 1 (one
+    clear line otherwise)."""
+    if text is None:
+        return DEFAULT_TREES
+    if text in ("auto", "off"):
+        return None if text == "off" else text
     try:
         budget = int(text)
     except ValueError:
         budget = 0
     if budget < 1:
-        raise DFlashError(f"--tree-budget must be a number of tokens >= 1 or 'auto', got {text!r}")
+        raise DFlashError(f"--tree-budget must be a number of tokens >= 1, 'auto' or 'off', got {text!r}")
     return budget

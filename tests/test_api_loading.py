@@ -81,10 +81,11 @@ def test_collapse_warning_says_what_the_engine_did(pair, caplog, block_size, act
     _, (model, tokenizer, drafter) = pair  # the demo drafter has random weights: its drafts are never accepted
     # The adaptive policy runs on the nominal cost model, not the clock: on a loaded machine measured costs can
     # make a narrow width look as cheap as plain decoding, and this test is about the warning's wording.
+    # Chains only: this is the width policy's fallback (auto trees re-measure theirs: test_trees_lossless.py).
     width = WidthPolicy(drafter.block_size, cost=nominal_cost) if block_size is None else None
     with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
         responses = list(api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=80,
-                                             block_size=block_size, width=width))
+                                             block_size=block_size, width=width, tree_budget=None))
     messages = [r.getMessage() for r in caplog.records if "acceptance collapsed" in r.getMessage()]
     assert len(messages) == 1 and action in messages[0], messages
     if block_size is None:

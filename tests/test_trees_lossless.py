@@ -298,19 +298,61 @@ def test_auto_trees_may_replace_plain_decoding_but_never_a_lookup_copy():
     from dflash_mlx.decode.planner import Plan, Planner
     from dflash_mlx.decode.proposal import LOOKUP, PLAIN
 
-    # The policy chose plain decoding: "auto" measures plain itself first, then trees in its place, as deep as
-    # their budgets allow, falling back to plain (chain width 1) where no tree grows; then the fastest.
+    # The policy chose plain decoding: "auto" measures plain itself first, then the smallest tree in its place
+    # (where the drafter's chains did not pay, only a tree of its runner-ups near the root may), as deep as its
+    # budget allows, falling back to plain (chain width 1) where no tree grows; then the faster of the two.
     planner = Planner(_Schedule(1), trees=TreeBudget((3, 7)))
     plans = []
-    for tokens in (1, 3, 2, 3, 3):  # committed by plain, the tree of 3, the tree of 7, then the winner
+    for tokens in (1, 3, 3, 3):  # committed by plain, the tree of 3, then the winner
         p = planner.plan({}, room=10)
         plans.append(p)
         planner.record(p.width, tokens - 1, 1.0, p.source if p.budget is None else "dflash", p.budget, p.context)
-    assert [(p.source, p.budget, p.width, p.chain_width) for p in plans[:3]] == [
-        (PLAIN, CHAIN, 1, None), ("dflash", 3, 4, 1), ("dflash", 7, 8, 1)]
-    assert {p.context for p in plans} == {PLAIN} and plans[3].budget == plans[4].budget == 3
+    assert [(p.source, p.budget, p.width, p.chain_width) for p in plans[:2]] == [
+        (PLAIN, CHAIN, 1, None), ("dflash", 3, 4, 1)]
+    assert {p.context for p in plans} == {PLAIN} and plans[2].budget == plans[3].budget == 3
+    assert planner.trees.contexts[PLAIN].arms == [CHAIN, 3]
     assert planner.plan({}, room=1).budget is None  # no room for a draft: plain
     # Without a drafter plain stays plain; a lookup copy is never replaced (the drafter's chain always may be).
     assert Planner(_Schedule(1), trees=TreeBudget((3,)), drafting=False).plan({}, room=10).source == PLAIN
     assert not planner._tree_may_replace(Plan(LOOKUP, 8), room=10)
     assert planner._tree_may_replace(Plan("dflash", 8), room=10)
+
+
+def test_auto_trees_say_nothing_where_they_cannot_run():
+    class OwnWalk(TargetModel):  # as above: trees cannot run through this target
+        def forward(self, ids, cache=None):
+            return super().forward(ids, cache)
+
+    kind = "llama"
+    ref = greedy(kind, LENGTH)
+    ids = prompt(LENGTH, seed=LENGTH)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = run(OwnWalk(model(kind)), ids, RunnerUpOracle(ids + ref, 4, every=3), tree_budget="auto")
+    assert out == ref
+
+
+def test_front_ends_default_to_auto_trees_unless_the_width_is_fixed():
+    from dflash_mlx.cli_options import tree_budget_value
+    from dflash_mlx.decode.budget import DEFAULT_TREES, default_trees
+
+    assert default_trees(DEFAULT_TREES, None) == "auto" and default_trees(DEFAULT_TREES, 8) is None
+    assert [default_trees(b, 8) for b in ("auto", 7, None)] == ["auto", 7, None]  # what the caller chose
+    assert [tree_budget_value(t) for t in (None, "auto", "off", "7")] == [DEFAULT_TREES, "auto", None, 7]
+
+
+def test_a_larger_tree_tells_smaller_budgets_what_they_would_have_committed():
+    from dflash_mlx.decode.budget import TreeBudget
+
+    chooser = TreeBudget((3, 7))
+    chooser.record(3, 3, 1.0, 4)  # the tree of 3 ran once: 3 tokens in 1 s
+    arms = chooser.contexts[None]
+    assert arms.rate(3) == 3.0
+    # A tree of 7 accepted slots 1, 4, 6: its first 3 nodes (the tree of 3) hold only slot 1 of that path.
+    chooser.record(7, 4, 2.0, 8, path=[1, 4, 6])
+    assert arms.rate(7) == 2.0
+    assert arms.rate(3) == (0.9 * 3 + 2) / 1.9  # tokens learnt from both passes, seconds from its own
+    chooser.record(7, 2, 2.0, 8, path=[2])  # a path wholly within the first 3: the same tokens
+    assert arms.tokens[3] == 0.9 * (0.9 * 3 + 2) + 2 and arms.runs[3] == 1.0

@@ -82,7 +82,10 @@ class Planner:
             # 32-token copy's place). The pass it would replace is worth what the policy expects of its width.
             rates = self.policy.rates_per_second() if self.policy is not None and self.policy.measured() else None
             chain_rate = rates[min(width, len(rates)) - 1] if rates else None
-            budget = self.trees.choose(plan.source, chain_rate)
+            # Where the policy chose plain decoding the drafter's chains did not pay: only the smallest tree may
+            # (its runner-ups near the root), so exploring there costs little when the drafter has collapsed.
+            smallest = [min(a for a in self.trees.arms if a is not None)] if plan.source == PLAIN else None
+            budget = self.trees.choose(plan.source, chain_rate, smallest)
             if budget is not None:
                 return Plan(self.drafting_source, self._deepest(width, room, budget), budget=budget,
                             chain_width=width, context=plan.source)
@@ -131,17 +134,19 @@ class Planner:
         return self.cutter.truncate(confidence, width)
 
     def record(self, width: int, accepted: int, seconds: float, source: Optional[str] = None,
-               budget: Optional[int] = None, context: Optional[str] = None, chain=None) -> None:
+               budget: Optional[int] = None, context: Optional[str] = None, chain=None,
+               path: Optional[Sequence[int]] = None) -> None:
         """One finished pass: its width (rows verified), drafts accepted and seconds since the previous pass
         ended; `source` its proposer, `budget` its tree budget (None: a chain), `context` its plan's; a tree's
-        `chain`: (width, accepted) of its first choices, the chain it stood in for."""
+        `chain`: (width, accepted) of its first choices, the chain it stood in for, and `path` its accepted nodes
+        (what smaller trees would have committed)."""
         if budget is not None and chain is not None and self.policy is not None:
             self.policy.observe(*chain)
         if budget is None or source == LOOKUP:  # a lookup tree is still lookup's pass for the source choice
             self.widths.record(width, accepted, seconds)
         if isinstance(self.trees, TreeBudget) and context is not None:  # (None: a pass planned elsewhere)
             self.trees.record(budget if source == self.drafting_source else None, accepted + 1, seconds, width,
-                              context)
+                              context, path)
 
 
 def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optional[Width] = None,

@@ -30,6 +30,7 @@ from mlx_lm.generate import generation_stream
 from ..targets import TargetModel
 from ..targets.tree import commit_path, tree_forward, tree_support
 from .acceptance import Acceptor
+from .budget import FixedBudget
 from .lookup import LookupIndex
 from .planner import Planner
 from .proposal import LOOKUP, PLAIN, Proposal, TreeProposal
@@ -191,7 +192,10 @@ class Decoder:
         if trees and getattr(planner, "trees", None) is not None:
             why = tree_support(target, state.target_cache)
             if why is not None:
-                warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
+                # Said only to whoever asked for a fixed budget: "auto" (the default) means trees where they can
+                # run and pay, so chains are what it chooses here.
+                if isinstance(planner.trees, FixedBudget):
+                    warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
                 planner.trees = None
         elif getattr(planner, "trees", None) is not None:
             planner.trees = None  # the caller's pass verifies chains only (a batch's ragged pass)
@@ -284,15 +288,17 @@ class Decoder:
 
     def finish(self, launch: Launch, values: Sequence[int], seconds: float) -> Pass:
         """Commit the pass whose packed result was read as `values`; `seconds` is its cost."""
-        width, recorded, chain = launch.width, launch.width, None
+        width, recorded, chain, path = launch.width, launch.width, None, None
         if launch.write is not None:  # (a tree is never deeper than the room left: the planner's width)
             tokens, acc, slots = accepted_path(values, launch.proposal, self.stops)
-            chain = first_choices(launch.proposal, slots[1 : acc + 1], launch.chain_width)
+            path = slots[1 : acc + 1]
+            chain = first_choices(launch.proposal, path, launch.chain_width)
             if launch.proposal.source == LOOKUP:  # lookup's pass as deep as the tree, for the source choice
                 recorded = max(launch.proposal.depths) + 1
         else:
             tokens, acc = accepted_tokens(values, width, self.stops)
-        self.planner.record(recorded, acc, seconds, launch.proposal.source, launch.budget, launch.context, chain)
+        self.planner.record(recorded, acc, seconds, launch.proposal.source, launch.budget, launch.context, chain,
+                            path)
         self.mark("host")
         keep = len(tokens)
         if launch.write is not None:
