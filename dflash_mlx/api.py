@@ -117,7 +117,7 @@ def stream_generate(
         tree_budget: each drafting pass verifies a draft tree of up to this many nodes in one target pass (DDTree:
             the drafter's likeliest continuations, several per position where it is unsure); "auto": the planner
             chooses chain or tree budget by measured speed; None: chains. Default: "auto", chains with a fixed
-            `width`. Lossless either way.
+            `width` or a `seed` (the same seed then gives the same text in every front end). Lossless either way.
         sampling: the keywords of `decode.acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
             exactly as sampling the target alone (rejection sampling);
@@ -144,7 +144,7 @@ def stream_generate(
                             width=width, planner=planner, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
                             prefill_progress=prefill_progress, lookup=lookup, proposer=proposer,
-                            tree_budget=default_trees(tree_budget, width), **sampling)
+                            tree_budget=default_trees(tree_budget, width, sampling.get("seed")), **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)

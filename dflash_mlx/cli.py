@@ -358,7 +358,8 @@ def bench(
                                                   "repeated or comma-separated (default 3)."),
     tree_budget: Optional[List[str]] = typer.Option(None, "--tree-budget", help="Also run the drafter with each "
                                                     "drafted block verified as a tree of up to B tokens (repeated "
-                                                    "or comma-separated; 'auto': chain or tree by measured speed)."),
+                                                    "or comma-separated; 'auto': chain or tree by measured speed, "
+                                                    "what generate and chat do by default)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method (0: greedy)."),
     seed: int = typer.Option(0, "--seed", help="Seed of prompt i is seed + i, the same for every method."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write bench.json and bench.png here."),
@@ -396,8 +397,8 @@ def bench(
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
         profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline,
         lookup=not no_lookup, drafter_alone=drafter_alone,
-        tree_budgets=[tree_budget_value(v.strip()) for value in tree_budget or [] for v in value.split(",")
-                      if v.strip()])
+        tree_budgets=[b for value in tree_budget or [] for v in value.split(",") if v.strip()
+                      for b in [tree_budget_value(v.strip())] if b is not None])  # 'off': the chains, run anyway
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

@@ -339,6 +339,7 @@ def test_front_ends_default_to_auto_trees_unless_the_width_is_fixed():
     from dflash_mlx.decode.budget import DEFAULT_TREES, default_trees
 
     assert default_trees(DEFAULT_TREES, None) == "auto" and default_trees(DEFAULT_TREES, 8) is None
+    assert default_trees(DEFAULT_TREES, None, seed=3) is None  # a seed: the server's text (chains)
     assert [default_trees(b, 8) for b in ("auto", 7, None)] == ["auto", 7, None]  # what the caller chose
     assert [tree_budget_value(t) for t in (None, "auto", "off", "7")] == [DEFAULT_TREES, "auto", None, 7]
 
