@@ -38,6 +38,7 @@ from .target import describe, load_torch_target, pick_device
 
 STATE_NAME = "train_state.pt"
 EVAL_STREAM = 2 ** 31  # the held-out draws' "step": the same blocks at every evaluation
+UNTIL_RESERVE_S = 5  # --until: seconds kept after the last step for its evaluation and the save
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -298,14 +299,15 @@ def _train(args, log) -> int:
         minutes = args.minutes if args.until is None else (args.until - time.time()) / 60
         if minutes <= 0:
             raise DFlashError(f"--until is {-60 * minutes:.0f} s in the past once the target and data are loaded")
-        run.steps = run.calibrate(minutes)
+        # With --until the steps must end UNTIL_RESERVE_S early (the last evaluation and the save come after).
+        run.steps = run.calibrate(minutes if args.until is None else max(minutes - UNTIL_RESERVE_S / 60, 1 / 600))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_args.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
                                                          for k, v in vars(args).items()}, indent=1) + "\n")
     flops = step_flops(run.config, args.rows, args.anchors, args.seq_len) * args.accum
     deadline = time.perf_counter() + 60 * args.minutes * 1.05 if args.minutes else None
     if args.until is not None:  # a hard end: the last step, its evaluation and the save fit before it
-        deadline = time.perf_counter() + (args.until - time.time()) - 5
+        deadline = time.perf_counter() + (args.until - time.time()) - UNTIL_RESERVE_S
     history = open(args.out / "log.jsonl", "a")
     tic = time.perf_counter()
     while run.step < run.steps:
