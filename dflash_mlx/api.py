@@ -144,7 +144,8 @@ def stream_generate(
                             width=width, planner=planner, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
                             prefill_progress=prefill_progress, lookup=lookup, proposer=proposer,
-                            tree_budget=default_trees(tree_budget, width, sampling.get("seed")), **sampling)
+                            tree_budget=default_trees(tree_budget, width, sampling.get("seed"), planner),
+                            **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)

@@ -357,3 +357,27 @@ def test_a_larger_tree_tells_smaller_budgets_what_they_would_have_committed():
     assert arms.rate(3) == (0.9 * 3 + 2) / 1.9  # tokens learnt from both passes, seconds from its own
     chooser.record(7, 2, 2.0, 8, path=[2])  # a path wholly within the first 3: the same tokens
     assert arms.tokens[3] == 0.9 * (0.9 * 3 + 2) + 2 and arms.runs[3] == 1.0
+
+
+def test_stream_generate_runs_trees_by_default_and_chains_when_told(monkeypatch, tmp_path):
+    from dflash_mlx import api
+    from dflash_mlx.decode import step
+    from dflash_mlx.demo import make_tiny_pair
+
+    model, tokenizer, drafter = api.load(*(str(p) for p in make_tiny_pair(tmp_path)))
+    calls = []
+    real = step.tree_forward
+    monkeypatch.setattr(step, "tree_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def trees(**options) -> int:
+        calls.clear()
+        # (lookup off: with it on, this tiny model's repetitive text is mostly copied, and copies never become trees)
+        tokens = [r.token for r in api.stream_generate(model, tokenizer, [5, 6, 7, 8], drafter, max_tokens=24,
+                                                       lookup=False, **options)]
+        assert tokens == plain_tokens, options
+        return len(calls)
+
+    plain_tokens = [r.token for r in api.stream_generate(model, tokenizer, [5, 6, 7, 8], None, max_tokens=24)]
+    assert trees() > 0  # the default: auto tries its trees
+    assert trees(tree_budget=None) == trees(width=4) == 0
+    assert trees(temp=0.0, seed=3) == 0  # a seed: chains, as the server verifies them

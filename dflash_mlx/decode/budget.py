@@ -28,14 +28,15 @@ CHAIN = None  # the arm that runs the width policy's own pass (no tree)
 DEFAULT_TREES = "default"  # what the front ends pass when the user chose nothing (see `default_trees`)
 
 
-def default_trees(tree_budget: Union[int, str, None], width: Optional[int],
-                  seed: Optional[int] = None) -> Union[int, str, None]:
+def default_trees(tree_budget: Union[int, str, None], width: Optional[int], seed: Optional[int] = None,
+                  planner: object = None) -> Union[int, str, None]:
     """A front end's `tree_budget` with DEFAULT_TREES resolved: "auto" (chain or tree by measured speed) where the
-    width is chosen per pass; chains where the caller fixed the width (every pass then verifies that many rows) or
-    gave a seed (a seed then gives the same text in every front end, the server's batched chains included)."""
+    width is chosen per pass; chains where the caller fixed the width (every pass then verifies that many rows),
+    brought a planner of its own (it chooses the passes), or gave a seed (a seed then gives the same text in every
+    front end, the server's batched chains included)."""
     if tree_budget != DEFAULT_TREES:
         return tree_budget
-    return "auto" if width is None and seed is None else None
+    return "auto" if width is None and seed is None and planner is None else None
 
 
 class FixedBudget:

@@ -95,6 +95,8 @@ class Planner:
     def _tree_may_replace(self, plan: Plan, room: int) -> bool:
         """Whether an "auto" tree may stand in for `plan`: the drafter's chain, or plain decoding where a drafter
         could draft (a tree can pay where the drafter's chain would not: its runner-up choices are verified too)."""
+        if not any(a is not None for a in self.trees.arms):  # no tree budget to offer
+            return False
         if plan.source == self.drafting_source:
             return True
         return plan.source == PLAIN and self.drafting and room > 1 and not isinstance(self.widths, FixedWidth)

@@ -99,7 +99,7 @@ class CollapseWatch:
         self.fired = True
         if self.fixed_trees:
             action = (f"every drafting pass is a tree ({stats.format_widths()}), so DFlash is slower than plain "
-                      "decoding here; use --tree-budget auto (or no tree budget) to let the engine fall back")
+                      "decoding here; use --tree-budget auto (the default) or off to let the engine fall back")
         elif stats.adaptive:
             action = f"falling back to plain decoding; verify widths used: {stats.format_widths()}"
         else:

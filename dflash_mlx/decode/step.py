@@ -292,7 +292,10 @@ class Decoder:
         if launch.write is not None:  # (a tree is never deeper than the room left: the planner's width)
             tokens, acc, slots = accepted_path(values, launch.proposal, self.stops)
             path = slots[1 : acc + 1]
-            chain = first_choices(launch.proposal, path, launch.chain_width)
+            # The policy learns from the tree's first choices, as deep as its chain would have been; a tree that
+            # stood in for plain decoding (chain width 1) shows them as deep as it grew.
+            observed = launch.chain_width if (launch.chain_width or 0) > 1 else launch.width
+            chain = first_choices(launch.proposal, path, observed)
             if launch.proposal.source == LOOKUP:  # lookup's pass as deep as the tree, for the source choice
                 recorded = max(launch.proposal.depths) + 1
         else:
