@@ -389,6 +389,7 @@ def bench(
     if distributed and not ranks.launched():
         raise DFlashError("--distributed and --pipeline split the target over several ranks: start the command with "
                           "mlx.launch (see docs/distributed.md)")
+    budgets = [tree_budget_value(v.strip()) for value in tree_budget or [] for v in value.split(",") if v.strip()]
     config = BenchConfig(
         model=model, draft=draft, ar_draft=ar_draft, oracle=oracle, prompts=prompts, num_prompts=num_prompts,
         max_tokens=max_tokens, block_sizes=_int_list(block_size, "--block-size"),
@@ -397,8 +398,7 @@ def bench(
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
         profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline,
         lookup=not no_lookup, drafter_alone=drafter_alone,
-        tree_budgets=[b for value in tree_budget or [] for v in value.split(",") if v.strip()
-                      for b in [tree_budget_value(v.strip())] if b is not None])  # 'off': the chains, run anyway
+        tree_budgets=[b for b in budgets if b is not None])  # 'off': the chains, which run anyway
     report = run_bench(config)
     typer.echo(format_table(report))
     for kind, path in report.get("files", {}).items():

@@ -281,7 +281,8 @@ def test_first_choices_are_the_chain_a_tree_stood_in_for():
 
 
 class _Schedule:
-    """A width source that always answers the same width (what the width policy chose)."""
+    """A width source that always answers the same width (what the width policy chose). Not `FixedWidth`: the
+    planner reads that as the caller fixing the width, where trees never stand in for plain decoding."""
 
     def __init__(self, width: int):
         self.width = width
