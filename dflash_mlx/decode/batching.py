@@ -27,7 +27,7 @@ acceptance. Widths may differ within a pass (the forward is ragged).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -37,6 +37,7 @@ from .acceptance import Acceptor, GreedyAcceptor
 from .generation import Generation
 from .lookup import LookupIndex
 from .planner import Planner, pace, planner_for
+from .proposal import Proposal, TreeProposal
 from .proposers import Proposer
 from .state import DecodeState
 from .step import CLEAR_CACHE_EVERY, Decoder, Launch, Pass, check_ready, drafting_proposer, proposers_for
@@ -82,6 +83,7 @@ class Batch:
         self.members: List[_Member] = []
         self.passes = 0
         self.sizes: Dict[int, int] = {}  # members per pass -> passes (for the benchmark and the metrics)
+        self.tree_passes = 0  # members' passes that verified a draft tree
         self._shared: Dict[int, Planner] = {}
 
     def shared_planner(self, max_width: int) -> Planner:
@@ -110,8 +112,7 @@ class Batch:
         state = state or DecodeState.fresh(target, drafter)
         index = lookup if planner.choice is not None else None
         decoder = Decoder(target, drafter, proposers_for(drafting, index), planner, acceptor or GreedyAcceptor(),
-                          state, max_tokens=max_tokens, stops=stop_tokens, clears_cache=False,
-                          trees=False)
+                          state, max_tokens=max_tokens, stops=stop_tokens, clears_cache=False)
         # The prefill runs alone (between two passes of the others).
         yield decoder.start(prompt, prefill_step_size, prefill_progress)
         if not decoder.wants:
@@ -144,11 +145,9 @@ class Batch:
         started = time.perf_counter()
         try:
             proposals = [m.decoder.propose() for m in members]
-            with mx.stream(generation_stream):
-                logits, hidden = ragged_forward(
-                    self.target, [m.decoder.block(p) for m, p in zip(members, proposals)],
-                    [m.decoder.state.target_cache for m in members])
-            launches = [m.decoder.verify(p, lg[0], hd) for m, p, lg, hd in zip(members, proposals, logits, hidden)]
+            outputs = self._forward(members, proposals)
+            launches = [m.decoder.verify(p, lg, hd, write)
+                        for m, p, (lg, hd, write) in zip(members, proposals, outputs)]
             mx.eval([q.packed for q in launches], [q.hidden for q in launches])  # the pass's one sync
             seconds = time.perf_counter() - started
             for m, queued in zip(members, launches):
@@ -162,6 +161,26 @@ class Batch:
         self.sizes[len(members)] = self.sizes.get(len(members), 0) + 1
         if self.passes % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
+
+
+    def _forward(self, members: List[_Member], proposals: List[Proposal]) -> List[Tuple[mx.array, mx.array, Any]]:
+        """Each member's (logits [w, V], features [1, w, n*H], tree write or None): the chains in one ragged
+        target pass, each tree in a tree pass of its own (its nodes attend along their ancestors only)."""
+        outputs: List[Any] = [None] * len(members)
+        chains = [i for i, p in enumerate(proposals) if not isinstance(p, TreeProposal)]
+        if chains:
+            with mx.stream(generation_stream):
+                logits, hidden = ragged_forward(
+                    self.target, [members[i].decoder.block(proposals[i]) for i in chains],
+                    [members[i].decoder.state.target_cache for i in chains])
+            for i, lg, hd in zip(chains, logits, hidden):
+                outputs[i] = (lg[0], hd, None)
+        for i, p in enumerate(proposals):
+            if outputs[i] is None:
+                lg, hd, write = members[i].decoder.forward(p)
+                outputs[i] = (lg[0], hd, write)
+                self.tree_passes += 1
+        return outputs
 
 
 class BatchedGeneration(Generation):

@@ -171,12 +171,11 @@ class Decoder:
         mark: for benchmarks, `mark(phase, *arrays)` at the end of each phase (see `loop.dflash_generate_step`).
         clears_cache: release MLX's buffer cache every `CLEAR_CACHE_EVERY` passes (a batch does it per shared
             pass instead).
-        trees: whether the caller runs tree passes (`forward`); a batch's ragged pass verifies chains only.
     """
 
     def __init__(self, target: TargetModel, drafter, proposers: Dict[str, Proposer], planner: Planner,
                  acceptor: Acceptor, state: DecodeState, *, max_tokens: Optional[int], stops: Sequence[int] = (),
-                 mark: Optional[Callable] = None, clears_cache: bool = True, trees: bool = True):
+                 mark: Optional[Callable] = None, clears_cache: bool = True):
         self.target, self.drafter, self.proposers, self.planner = target, drafter, proposers, planner
         self.acceptor, self.state = acceptor, state
         self.limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
@@ -189,7 +188,7 @@ class Decoder:
         self.budget: Optional[int] = None  # the tree budget of the pass being proposed
         self.context: Optional[str] = None  # and its plan's context
         self.chain_width: Optional[int] = None  # and, for a tree, the chain it stands in for
-        if trees and getattr(planner, "trees", None) is not None:
+        if getattr(planner, "trees", None) is not None:
             why = tree_support(target, state.target_cache)
             if why is not None:
                 # Said only to whoever asked for a fixed budget: "auto" (the default) means trees where they can
@@ -197,8 +196,6 @@ class Decoder:
                 if isinstance(planner.trees, FixedBudget):
                     warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
                 planner.trees = None
-        elif getattr(planner, "trees", None) is not None:
-            planner.trees = None  # the caller's pass verifies chains only (a batch's ragged pass)
 
     def _observe(self, tokens: List[int], features: Optional[mx.array]) -> None:
         self.acceptor.observe(tokens)
