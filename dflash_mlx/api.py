@@ -22,6 +22,7 @@ from .decode.acceptance import Acceptor
 from .decode.generation import Generation
 from .decode.lookup import LOOKUP_ONLY, drafter_model
 from .decode.budget import DEFAULT_TREES, default_trees
+from .decode.memory import PlannerMemory
 from .decode.planner import Planner, renamed_width_args
 from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
@@ -85,6 +86,7 @@ def stream_generate(
     proposer=None,
     block_size: Optional[int] = None,
     tree_budget: Union[int, str, None] = DEFAULT_TREES,
+    memory: Optional[PlannerMemory] = None,
     **sampling,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate text with DFlash, one response per token.
@@ -118,6 +120,8 @@ def stream_generate(
             the drafter's likeliest continuations, several per position where it is unsure); "auto": the planner
             chooses chain or tree budget by measured speed; None: chains. Default: "auto", chains with a fixed
             `width` or a `seed` (the same seed then gives the same text in every front end). Lossless either way.
+        memory: a `decode.memory.PlannerMemory` shared by several generations (a chat's turns): the planner starts
+            from what the earlier ones measured (pass costs, acceptance, tree budgets) instead of probing afresh.
         sampling: the keywords of `decode.acceptance.make_acceptor`, as in mlx-lm:
             temp, top_p, top_k, min_p, min_tokens_to_keep (temp 0: greedy); sampled output is distributed
             exactly as sampling the target alone (rejection sampling);
@@ -145,7 +149,7 @@ def stream_generate(
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
                             prefill_progress=prefill_progress, lookup=lookup, proposer=proposer,
                             tree_budget=default_trees(tree_budget, width, sampling.get("seed"), planner),
-                            **sampling)
+                            memory=memory, **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches
         yield from _responses(generation)

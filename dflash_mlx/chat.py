@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 from . import console
 from .decode.budget import DEFAULT_TREES
 from .decode.lookup import drafter_model
+from .decode.memory import PlannerMemory
 from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
 from .errors import DFlashError
@@ -64,6 +65,8 @@ class ChatSession:
         self.width = width if width is not None else block_size  # verify width per pass (None: chosen each pass)
         self.lookup = lookup  # drafts copied from the conversation (earlier turns included); see api.stream_generate
         self.tree_budget = tree_budget  # drafted blocks verified as trees (None: chains); see api.stream_generate
+        # What a turn measured (pass costs, acceptance, tree budgets) starts the next turn's planner.
+        self.memory = PlannerMemory()
         self.sampling: Dict = dict(sampling or {})
         self.thinking = thinking
         self.messages: List[Dict[str, str]] = []
@@ -182,7 +185,8 @@ class ChatSession:
             self.seen.extend(new)
             stream = stream_generate(self.model, self.tokenizer, new, self.drafter, max_tokens=self.max_tokens,
                                      width=self.width, state=self.state, prefill_progress=progress,
-                                     lookup=self.lookup, tree_budget=self.tree_budget, **self.sampling)
+                                     lookup=self.lookup, tree_budget=self.tree_budget, memory=self.memory,
+                                     **self.sampling)
             try:
                 for response in stream:
                     self.seen.append(response.token)

@@ -236,9 +236,11 @@ def serve(
     strict_model_names: bool = typer.Option(False, "--strict-model-names", help="Answer requests naming a model "
                                             "other than the served names with a 404 instead."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
+    tree_budget: Optional[str] = TREE_BUDGET_OPTION,
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
     options = dict(locals())
+    options["tree_budget"] = tree_budget_value(tree_budget)
     from . import distributed
 
     if options.pop("pipeline") or distributed.launched():  # under mlx.launch: rank 0 serves, every rank generates

@@ -61,7 +61,9 @@ def hybrid(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(hybrid):
-    app = create_app(*hybrid, ServerSettings(model_name="hybrid"))
+    # Chains: the prefill is counted as the target's calls less the verified rows, and a tree pass verifies its
+    # nodes through `targets.tree.tree_forward`, not the target's call.
+    app = create_app(*hybrid, ServerSettings(model_name="hybrid", tree_budget=None))
     app.state.server.generator.target.__class__ = CountingTarget
     running = start_in_thread(app)
     yield running, app.state.server

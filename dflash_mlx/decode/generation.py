@@ -31,6 +31,7 @@ import mlx.core as mx
 from ..errors import DFlashError
 from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
 from .lookup import LookupIndex
+from .memory import PlannerMemory
 from .loop import dflash_generate_step
 from .planner import Planner, build_planner, tree_chooser, with_trees
 from .sources import SourceChoice
@@ -66,6 +67,8 @@ class Generation:
         width_policy: deprecated name of `planner`.
         tree_budget: drafting passes verify a DDTree of up to this many drafted nodes in one target pass (an int),
             or the planner chooses chain or budget by measured speed ("auto"); None: chains.
+        memory: a `memory.PlannerMemory`: the planner starts from what earlier generations measured and leaves
+            what it learnt there when this one ends (not for seeded sampling, which must follow from its seed).
     """
 
     def __init__(self, target, drafter, prompt, *, tokenizer=None, max_tokens: int = 256,
@@ -75,7 +78,8 @@ class Generation:
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
-                 lookup_width: int = 32, proposer=None, width_policy=None, tree_budget=None, **sampling):
+                 lookup_width: int = 32, proposer=None, width_policy=None, tree_budget=None,
+                 memory: Optional[PlannerMemory] = None, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
         if width_policy is not None:
@@ -107,6 +111,10 @@ class Generation:
             reproducible=reproducible, shared=self._shared_planner, tree_budget=tree_budget)
         if self.planner.trees is None:  # a planner of the caller's
             with_trees(self.planner, tree_chooser(tree_budget, reproducible))
+        # Seeded sampling must follow from its seed alone: it neither starts from nor leaves measurements.
+        self.memory = memory if not reproducible else None
+        if self.memory is not None:
+            self.memory.seed(self.planner)
         self.sources: Optional[SourceChoice] = self.planner.choice
         self.lookup = _lookup_index(state, history) if use_lookup else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)
@@ -165,12 +173,18 @@ class Generation:
             yield cycle
             if finish:
                 break
-        self._warn()
+        self._end()
 
     def close(self) -> None:
         """Stop early: a queued verify pass is rolled out of the caches at once (they hold the committed tokens)."""
         self._cycles.close()
+        self._end()
+
+    def _end(self) -> None:
         self._warn()
+        if self.memory is not None:
+            self.memory.keep(self.planner)
+            self.memory = None  # once per generation
 
     def _warn(self) -> None:
         if self.collapse_warning and not self._warned:

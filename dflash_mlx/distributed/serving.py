@@ -151,9 +151,14 @@ def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, qua
     target, tokenizer, draft = load(model, drafter, quant=quant, pipeline=pipeline)
     group = setup()
     settings.name_after(model, drafter)
+    if not isinstance(settings.tree_budget, int):
+        # Ranks must choose every pass alike, and "auto" chooses by each rank's own clock: chains, unless the
+        # user fixed a budget (which every rank follows without measuring).
+        settings.tree_budget = None
     if group.rank() != 0:
         follow(Generator(target, tokenizer, draft, width=settings.block_size,
-                         prompt_cache_bytes=settings.prompt_cache_bytes), group)
+                         prompt_cache_bytes=settings.prompt_cache_bytes,
+                         tree_budget=settings.tree_budget), group)
         return
     # uvicorn re-raises the signal it shut down for once it is done; SIGTERM's default action would end this
     # process before the other ranks are told, so it becomes the same exception as Ctrl-C.

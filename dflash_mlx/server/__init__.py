@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
 
+from ..decode.budget import DEFAULT_TREES
 from ..errors import DFlashError
 from .app import ServerSettings, create_app
 
@@ -183,7 +184,7 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
                       chat_template_args: Optional[str],
                       served_model_name: Union[None, str, List[str]], max_batch: int = 8,
                       prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: str = "16GiB",
-                      strict_model_names: bool = False) -> ServerSettings:
+                      strict_model_names: bool = False, tree_budget=DEFAULT_TREES) -> ServerSettings:
     """The `dflash-mlx serve` options as settings, every one checked before any model is loaded.
     `served_model_name` may be several names (the flag repeated): the first is the one the server reports."""
     template_args = None
@@ -210,7 +211,7 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
                           block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
                           chat_template_kwargs=template_args, max_batch=max_batch,
                           prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=disk_bytes,
-                          strict_model_names=strict_model_names)
+                          strict_model_names=strict_model_names, tree_budget=tree_budget)
 
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,

@@ -18,13 +18,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from . import anthropic_format, errors, prompts, responses_format
+from ..decode.budget import DEFAULT_TREES
 from ..decode.lookup import drafter_model
 from ..decode.sampling import SamplingParams
 from ..errors import DFlashError
@@ -58,6 +59,9 @@ class ServerSettings:
     prompt_cache_dir: Optional[str] = None  # evicted prefix-cache entries (and all at shutdown) kept on disk here
     prompt_cache_dir_bytes: int = 16 << 30
     block_size: Optional[int] = None
+    # Drafted blocks as trees: "auto" (chain or tree by measured speed), a fixed budget, None (chains), or
+    # DEFAULT_TREES: "auto" unless the width is fixed or the request gives a seed (as `dflash-mlx generate`).
+    tree_budget: Union[int, str, None] = DEFAULT_TREES
     default_max_tokens: Optional[int] = None  # for requests that set no limit; None: what the context leaves
     context_length: Optional[int] = None  # default: the target's max_position_embeddings
     temperature: float = 0.0  # when a request sets none (OpenAI's own default is 1.0)
@@ -105,7 +109,7 @@ class Server:
                                 settings.prompt_cache_dir_bytes)
         self.generator = Generator(model, self.tokenizer, drafter, width=settings.block_size,
                                    prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,
-                                   store=store)
+                                   store=store, tree_budget=settings.tree_budget)
         self.metrics = Metrics()
         self.worker = Worker(self.generator, settings.max_queue, self.metrics, on_exit=self.generator.persist)
         self.context_length = settings.context_length or context_length_of(model)

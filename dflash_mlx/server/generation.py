@@ -19,8 +19,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 import mlx.core as mx
 
 from ..decode.batching import Batch, BatchedGeneration
+from ..decode.budget import DEFAULT_TREES, default_trees
 from ..decode.generation import Generation
 from ..decode.lookup import drafter_model
+from ..decode.memory import PlannerMemory
 from ..decode.state import DecodeState, prefill_alone
 from ..decode.stats import AcceptanceStats
 from ..models.loading import prepare
@@ -107,13 +109,17 @@ class Generator:
 
     def __init__(self, model, tokenizer, drafter, *, width: Optional[int] = None,
                  prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1,
-                 store: Optional[PrefixStore] = None):
+                 store: Optional[PrefixStore] = None, tree_budget: Union[int, str, None] = DEFAULT_TREES):
         # `--draft lookup`: no drafter; every pass may copy from the context (the prompt, cached prefixes).
         drafter, self.lookup_only = drafter_model(drafter)
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.width = width  # a fixed verify width (None: chosen each pass)
+        self.tree_budget = tree_budget  # drafted blocks as trees: DEFAULT_TREES resolves per request
+        # What this process has measured (seconds per width and tree budget, acceptance per source) seeds every
+        # request's planner, so a short reply does not pay the probes a cold planner makes.
+        self.memory = PlannerMemory()
         self.prefill_step_size = prefill_step_size
         self.target = prepare(model, drafter)
         # Up to `max_batch` runs share each verify pass (the worker interleaves them); 1: one run at a time.
@@ -218,6 +224,8 @@ class Generator:
                        prefill_step_size=self.prefill_step_size, **req.sampling)
         if self.lookup_only:
             options["lookup"] = True
+        options["tree_budget"] = default_trees(self.tree_budget, self.width, req.sampling.get("seed"))
+        options["memory"] = self.memory
         if batched and self.batch is not None:
             generation = BatchedGeneration(self.batch, prompt[position:], **options)
         else:
