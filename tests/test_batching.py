@@ -1,4 +1,4 @@
-"""Continuous batching (dflash_mlx.decode.batching, targets/ragged.py): generations that share verify passes, joining and
+"""Continuous batching (dflash_mlx.decode.batching, targets/walk.py): generations that share verify passes, joining and
 leaving between passes, each produce exactly what they produce alone (greedy, and seeded sampling)."""
 
 from typing import Dict, List
@@ -14,7 +14,7 @@ from dflash_mlx.decode.batching import Batch, BatchedGeneration
 from dflash_mlx.decode.generation import Generation
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
-from dflash_mlx.targets.ragged import plain_attention, ragged_forward, splittable
+from dflash_mlx.targets.walk import Chain, plain_attention, splittable
 from tiny import VOCAB, make_drafter, prompt_ids, randomize, reference, target
 
 
@@ -74,7 +74,7 @@ def test_ragged_forward_equals_each_pass_alone(kind):
             t(mx.array([p]), a)
             t(mx.array([p]), b)
         blocks = [mx.array([prompt_ids(w, seed=10 + w)]) for w in (4, 1, 3)]
-        logits, hidden = ragged_forward(t, blocks, batched)
+        logits, hidden = t.forward_segments([Chain(b, c) for b, c in zip(blocks, batched)])
         for block, cache, lg, hd in zip(blocks, alone, logits, hidden):
             ref_logits, ref_hidden = t(block, cache)
             assert lg.shape == ref_logits.shape and hd.shape == ref_hidden.shape

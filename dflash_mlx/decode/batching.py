@@ -5,9 +5,11 @@ pass generator (`Batch.generate_step`, yielding `step.Pass`es as `loop.dflash_ge
 alone, then joins the batch; when it needs its next pass and none is waiting for it, it runs one pass for every
 member that wants one, through the same pass step (`step.Decoder`) as the single-stream loop:
 
-    per member:   plan and draft (`Decoder.propose`: its own planner, proposers, draft cache and acceptor)
-    all at once:  targets.ragged.ragged_forward: the blocks end to end for embedding, norms, MLP, LM head;
-                  attention / GatedDeltaNet per member on its own caches
+    per member:   plan and draft (`Decoder.propose`: its own planner, proposers, draft cache and acceptor): a chain
+                  or a draft tree
+    all at once:  targets.walk: every member's block (a `Chain`) or tree (a `Tree`) as one segment of one pass:
+                  end to end for embedding, norms, MLP, LM head; attention / GatedDeltaNet per member on its
+                  own caches
     per member:   `Decoder.verify`; one host sync for the whole pass; `Decoder.finish`; its `Pass` waits until
                   its generator is advanced
 
@@ -21,7 +23,7 @@ widths, and so its random draws, must not depend on its neighbours); so does a m
 (its choice is per request: the server's default). Its planner is fed the shared pass's measured seconds, so its
 cost model sees what a pass costs with this batch. Any other adaptive member uses the batch's shared planner
 (`SharedWidth`): one choice per pass, from the same cost model fed with the pass's seconds and every member's
-acceptance. Widths may differ within a pass (the forward is ragged).
+acceptance. Widths and shapes may differ within a pass (the forward is ragged: no padding).
 """
 
 from __future__ import annotations
@@ -32,12 +34,11 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tup
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from ..targets.ragged import ragged_forward
 from .acceptance import Acceptor, GreedyAcceptor
 from .generation import Generation
 from .lookup import LookupIndex
 from .planner import Planner, pace, planner_for
-from .proposal import Proposal, TreeProposal
+from .proposal import Proposal
 from .proposers import Proposer
 from .state import DecodeState
 from .step import CLEAR_CACHE_EVERY, Decoder, Launch, Pass, check_ready, drafting_proposer, proposers_for
@@ -164,23 +165,14 @@ class Batch:
 
 
     def _forward(self, members: List[_Member], proposals: List[Proposal]) -> List[Tuple[mx.array, mx.array, Any]]:
-        """Each member's (logits [w, V], features [1, w, n*H], tree write or None): the chains in one ragged
-        target pass, each tree in a tree pass of its own (its nodes attend along their ancestors only)."""
-        outputs: List[Any] = [None] * len(members)
-        chains = [i for i, p in enumerate(proposals) if not isinstance(p, TreeProposal)]
-        if chains:
-            with mx.stream(generation_stream):
-                logits, hidden = ragged_forward(
-                    self.target, [members[i].decoder.block(proposals[i]) for i in chains],
-                    [members[i].decoder.state.target_cache for i in chains])
-            for i, lg, hd in zip(chains, logits, hidden):
-                outputs[i] = (lg[0], hd, None)
-        for i, p in enumerate(proposals):
-            if outputs[i] is None:
-                lg, hd, write = members[i].decoder.forward(p)
-                outputs[i] = (lg[0], hd, write)
-                self.tree_passes += 1
-        return outputs
+        """Each member's (logits [w, V], features [1, w, n*H], tree write or None) from ONE target pass over every
+        member's segment, chains and trees alike (`targets.walk`)."""
+        segments = [m.decoder.segment(p) for m, p in zip(members, proposals)]
+        with mx.stream(generation_stream):
+            logits, hidden = self.target.forward_segments(segments)
+        writes = [getattr(s, "write", None) for s in segments]
+        self.tree_passes += sum(w is not None for w in writes)
+        return [(lg[0], hd, w) for lg, hd, w in zip(logits, hidden, writes)]
 
 
 class BatchedGeneration(Generation):

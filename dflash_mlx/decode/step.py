@@ -28,7 +28,8 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from ..targets import TargetModel
-from ..targets.tree import commit_path, tree_forward, tree_support
+from ..targets.tree import commit_path, tree_segment, tree_support
+from ..targets.walk import Chain, Segment
 from .acceptance import Acceptor
 from .budget import FixedBudget
 from .lookup import LookupIndex
@@ -258,15 +259,21 @@ class Decoder:
         head = mx.array([[self.state.last_token]], dtype=mx.int32)
         return mx.concatenate([head, proposal.tokens[None]], axis=1)
 
+    def segment(self, proposal: Proposal) -> Segment:
+        """The proposal as a segment of a target pass (`targets.walk`): a chain's block, written to the caches
+        (rolled back in `finish`), or a tree's nodes, which are not (its accepted path is kept in `finish`)."""
+        if isinstance(proposal, TreeProposal):
+            return tree_segment(self.target, self.block(proposal), (-1,) + tuple(proposal.parents),
+                                self.state.target_cache)
+        return Chain(self.block(proposal), self.state.target_cache)
+
     def forward(self, proposal: Proposal):
-        """The target's pass over the block: (logits [1, w, V], hidden [1, w, n*H], a tree's write or None). A
-        chain is written to the caches (rolled back in `finish`); a tree is not (its path is kept in `finish`)."""
+        """The single stream's target pass over the proposal: (logits [1, w, V], hidden [1, w, n*H], a tree's
+        write or None)."""
+        segment = self.segment(proposal)
         with mx.stream(generation_stream):
-            if isinstance(proposal, TreeProposal):
-                parents = (-1,) + tuple(proposal.parents)
-                return tree_forward(self.target, self.block(proposal), parents, self.state.target_cache)
-            logits, hidden = self.target(self.block(proposal), self.state.target_cache)
-            return logits, hidden, None
+            (logits,), (hidden,) = self.target.forward_segments([segment])
+        return logits, hidden, getattr(segment, "write", None)
 
     def verify(self, proposal: Proposal, logits: mx.array, hidden: mx.array, write: Any = None) -> Launch:
         """The acceptor's verdict on the target's logits [w, V] for the block, packed for one host read: a chain's

@@ -30,6 +30,7 @@ from ..metal.verify_qmm import VerifyQmmScope
 from .families import Family, family_for, supported_model_types, text_lm
 from .hybrid import GatedDeltaCache, RecurrentRollback, default_rollback
 from .rotating import WindowKVCache
+from .walk import Chain, Segment, run
 
 
 def model_type_of(model: nn.Module) -> Optional[str]:
@@ -158,11 +159,19 @@ class TargetModel:
     def forward(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
         """`__call__`'s pass itself (subclasses walk differently; the call wraps it in the kernel scope)."""
         self._check_whole()
-        h, taps = self.family.forward(self.family, self.lm, self.inner, ids, cache, set(self.tap_layer_ids))
-        logits = self.head(self.inner.norm(h))
-        feats = [taps[i] for i in self.tap_layer_ids]
-        hidden = mx.concatenate(feats, axis=-1) if len(feats) > 1 else (feats[0] if feats else h[..., :0])
+        (logits,), (hidden,) = run(self, [Chain(ids, cache)])
         return logits, hidden
+
+    def forward_segments(self, segments: Sequence[Segment]) -> Tuple[List[mx.array], List[mx.array]]:
+        """One pass over several requests' segments (`walk.Chain`, `walk.Tree`): each one's logits [1, w, V] and
+        tapped features [1, w, n*H]. A subclass with a walk of its own (a pipeline stage) runs each chain through
+        its own call instead (trees are never given to it: `tree.tree_support`)."""
+        if type(self).forward is not TargetModel.forward:
+            outs = [self(s.ids, s.cache) for s in segments]
+            return [o[0] for o in outs], [o[1] for o in outs]
+        self._check_whole()
+        with self.verify_qmm:
+            return run(self, segments)
 
     def rollback(self, cache: List[Any], num_tokens: int) -> None:
         """Drop the last `num_tokens` positions from every layer's cache (nothing to do on a full accept).

@@ -1,4 +1,4 @@
-"""How to run each supported mlx-lm architecture one layer at a time.
+"""How to run each supported mlx-lm architecture one layer at a time (the walk itself is `walk.walk`).
 
 A `Family` says where the decoder stack lives inside an mlx-lm `Model` (also under `language_model` for the
 multimodal layouts), how tokens are embedded, which attention mask each layer gets, how a layer is called and how
@@ -100,21 +100,6 @@ def _call_layer(layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.arra
     return layer(h, mask, cache)
 
 
-def walk_layers(family: "Family", lm: nn.Module, inner: nn.Module, ids: mx.array, cache: Optional[List[Any]],
-                taps: set) -> Tuple[mx.array, Dict[int, mx.array]]:
-    """The model's own layer loop, keeping the outputs of the tapped layers. Returns (last hidden, taps)."""
-    h = family.embed(lm, inner, ids)
-    if cache is None:
-        cache = [None] * len(inner.layers)
-    masks = family.layer_masks(inner, h, cache)
-    kept = {}
-    for i, (layer, mask, c) in enumerate(zip(inner.layers, masks, cache)):
-        h = family.call_layer(layer, h, mask, c)
-        if i in taps:
-            kept[i] = h
-    return h, kept
-
-
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -124,15 +109,21 @@ class Family:
     layer_masks: Callable[[nn.Module, mx.array, List[Any]], List[Any]] = _one_mask
     call_layer: Callable[[nn.Module, mx.array, Any, Any], mx.array] = _call_layer
     head: Callable[[nn.Module, nn.Module, mx.array], mx.array] = _head
-    forward: Callable[..., Tuple[mx.array, Dict[int, mx.array]]] = walk_layers
     # Whether the model's ArraysCache layers are GatedDeltaNet layers this package can roll back.
     gated_delta: bool = False
+    # Per-layer inputs computed from the ids and the embedding (Gemma 4), as a list by layer, or None.
+    layer_inputs: Optional[Callable[[nn.Module, mx.array, mx.array], List[mx.array]]] = None
+    # Layers that reuse an earlier layer's keys and values (Gemma 4): called through `call_shared`, which threads
+    # that state between a segment's layers (`walk.walk`).
+    shares_kv: bool = False
+    call_shared: Optional[Callable[..., mx.array]] = None
 
 
 def _gemma4_family() -> Family:
-    from .gemma import gemma4_embed, gemma4_forward
+    from .gemma import gemma4_call, gemma4_embed, gemma4_layer_inputs, gemma4_masks
 
-    return Family("gemma4", ("gemma4", "gemma4_text"), embed=gemma4_embed, forward=gemma4_forward)
+    return Family("gemma4", ("gemma4", "gemma4_text"), embed=gemma4_embed, layer_masks=gemma4_masks,
+                  layer_inputs=gemma4_layer_inputs, shares_kv=True, call_shared=gemma4_call)
 
 
 FAMILIES: List[Family] = [

@@ -1,8 +1,8 @@
-"""Gemma 4 targets: the layer walk with per-layer inputs and KV sharing, and the scaled embedding.
+"""Gemma 4 targets: the hooks `walk.walk` calls for per-layer inputs and KV sharing, and the scaled embedding.
 
-Gemma 4 threads state between layers that the generic walk does not: per-layer input embeddings, and the last
+Gemma 4 threads state between layers that other families do not: per-layer input embeddings, and the last
 `num_kv_shared_layers` layers reusing the keys/values (and RoPE offset) of the last earlier layer of their type,
-with no cache of their own. This walk mirrors `Gemma4TextModel.__call__`, reusing its helpers.
+with no cache of their own. These hooks mirror `Gemma4TextModel.__call__`, reusing its helpers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ def gemma4_embed(lm: nn.Module, inner: nn.Module, ids: mx.array) -> mx.array:
     return inner.embed_tokens(ids) * inner.embed_scale
 
 
-def _masks(inner: nn.Module, h: mx.array, cache: List[Any]) -> List[Any]:
+def gemma4_masks(inner: nn.Module, h: mx.array, cache: List[Any]) -> List[Any]:
+    """One mask per layer type (full, sliding), each from the first cache of that type."""
     by_type: Dict[str, Any] = {}
     masks = []
     for layer, c in zip(inner.layers, cache):
@@ -29,25 +30,23 @@ def _masks(inner: nn.Module, h: mx.array, cache: List[Any]) -> List[Any]:
     return masks
 
 
-def gemma4_forward(family, lm: nn.Module, inner: nn.Module, ids: mx.array, cache: Optional[List[Any]],
-                   taps: set) -> Tuple[mx.array, Dict[int, mx.array]]:
-    n = len(inner.layers)
-    embeddings = inner.embed_tokens(ids)
-    h = embeddings * inner.embed_scale
-    per_layer: List[Optional[mx.array]] = [None] * n
-    if inner.hidden_size_per_layer_input:
-        inputs = inner._get_per_layer_inputs(ids, embeddings)
-        inputs = inner._project_per_layer_inputs(h, inputs)
-        per_layer = [inputs[:, :, i, :] for i in range(n)]
-    # KV-shared layers have no cache entry of their own.
-    cache = [None] * n if cache is None else list(cache) + [None] * (n - len(cache))
-    masks = _masks(inner, h, cache)
-    shared: List[Tuple[Any, Any]] = [(None, None)] * n
-    kept = {}
-    for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks)):
-        kvs, offset = shared[inner.previous_kvs[i]]
-        h, kvs, offset = layer(h, mask, c, per_layer_input=per_layer[i], shared_kv=kvs, offset=offset)
-        shared[i] = (kvs, offset)
-        if i in taps:
-            kept[i] = h
-    return h, kept
+def gemma4_layer_inputs(inner: nn.Module, ids: mx.array, h: mx.array) -> Optional[List[mx.array]]:
+    """The per-layer input embeddings [B, T, D] of every layer (per token), or None where the model has none."""
+    if not inner.hidden_size_per_layer_input:
+        return None
+    inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids, inner.embed_tokens(ids)))
+    return [inputs[:, :, i, :] for i in range(len(inner.layers))]
+
+
+def gemma4_call(inner: nn.Module, layer: nn.Module, i: int, h: mx.array, mask: Any, cache: Any,
+                state: Dict[str, Any]) -> mx.array:
+    """Layer i of one segment: a KV-shared layer (no cache of its own) takes the keys, values and RoPE offset its
+    source layer left in `state`; the per-layer input, when the model has them, is `state["input"]`."""
+    shared = state.setdefault("shared", {})
+    kvs, offset = shared.get(inner.previous_kvs[i], (None, None))
+    per_layer = state.get("input")
+    if per_layer is not None:
+        per_layer = per_layer.reshape(h.shape[0], h.shape[1], -1)  # a tree's nodes: [n+1, 1, D]
+    h, kvs, offset = layer(h, mask, cache, per_layer_input=per_layer, shared_kv=kvs, offset=offset)
+    shared[i] = (kvs, offset)
+    return h

@@ -176,11 +176,41 @@ def _project_qwen3_next(attn: nn.Module, x: mx.array):
 _DEFAULT_ROLLBACK = ReplayRollback()
 
 
-def gated_delta_net(attn: nn.Module, x: mx.array, mask: Optional[mx.array], cache: Optional[Any]) -> mx.array:
-    """mlx-lm's GatedDeltaNet forward (qwen3_5 and qwen3_next layouts) that records each cached write."""
-    B, S, _ = x.shape
+def gdn_project(attn: nn.Module, x: mx.array):
+    """The layer's input projections (qwen3_5 and qwen3_next layouts): (pre-conv qkv, z, b, a)."""
     project = _project_qwen3_next if "in_proj_qkvz" in attn else _project_qwen3_5
-    qkv, z, b, a = project(attn, x)
+    return project(attn, x)
+
+
+def gdn_heads(attn: nn.Module, conv_out: mx.array):
+    """q, k (normalized) and v per head [B, S, heads, d] from the convolution's output [B, S, C]."""
+    B, S, _ = conv_out.shape
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
+            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
+def gdn_output(attn: nn.Module, out: mx.array, z: mx.array) -> mx.array:
+    """The gated norm and output projection of the recurrence's output [B, S, Hv, Dv]."""
+    B, S = out.shape[:2]
+    out = attn.out_proj(attn.norm(out, z).reshape(B, S, -1))
+    # Tensor parallel (mlx-lm's `shard`): this rank ran its share of the heads; the layer output is their sum.
+    group = getattr(attn, "sharding_group", None)
+    return out if group is None else mx.distributed.all_sum(out, group=group)
+
+
+def gated_delta_net(attn: nn.Module, x: mx.array, mask: Optional[mx.array], cache: Optional[Any]) -> mx.array:
+    """mlx-lm's GatedDeltaNet forward over a chain of tokens, recording each cached write (the tree's twin,
+    `tree.gdn_tree`, shares its projections, heads and output: `gdn_project`, `gdn_heads`, `gdn_output`)."""
+    B, S, _ = x.shape
+    qkv, z, b, a = gdn_project(attn, x)
 
     n_keep = attn.conv_kernel_size - 1
     prev_conv = cache[0] if cache is not None else None
@@ -192,18 +222,8 @@ def gated_delta_net(attn: nn.Module, x: mx.array, mask: Optional[mx.array], cach
         if cache.lengths is not None:
             raise DFlashError("batched (length-padded) GatedDeltaNet caches are not supported")
         cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
-    conv_out = nn.silu(attn.conv1d(conv_input))
-
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
-            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
-            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
-        )
-    ]
+    q, k, v = gdn_heads(attn, nn.silu(attn.conv1d(conv_input)))
     prev_state = cache[1] if cache is not None else None
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
 
     rollback = cache.rollback if isinstance(cache, GatedDeltaCache) else _DEFAULT_ROLLBACK
     out, state, tape = rollback.advance(q, k, v, a, b, attn.A_log, attn.dt_bias, prev_state, mask,
@@ -217,12 +237,7 @@ def gated_delta_net(attn: nn.Module, x: mx.array, mask: Optional[mx.array], cach
                 write = GDNWrite(prev_conv, prev_state, conv_input, q, k, v, a, b, attn.A_log, attn.dt_bias,
                                  mask, kept=S, use_kernel=not attn.training, tape=tape)
             cache.record(write)
-
-    out = attn.norm(out, z)
-    out = attn.out_proj(out.reshape(B, S, -1))
-    # Tensor parallel (mlx-lm's `shard`): this rank ran its share of the heads; the layer output is their sum.
-    group = getattr(attn, "sharding_group", None)
-    return out if group is None else mx.distributed.all_sum(out, group=group)
+    return gdn_output(attn, out, z)
 
 
 def hybrid_call_layer(layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.array:

@@ -1,7 +1,7 @@
 """Verify a draft tree in one target forward pass, then keep exactly the accepted path's cache rows.
 
-`tree_forward` runs the n+1 block slots as a BATCH of n+1 one-token sequences ([n+1, 1, H]) through the model's
-own layers; nothing in mlx-lm is patched. Each attention layer gets a `_TreeKV` stand-in for its cache:
+`tree_forward` runs the n+1 block slots through the package's one layer walk as a `walk.Tree` segment: each
+layer sees them as a BATCH of n+1 one-token sequences ([n+1, 1, H]); nothing in mlx-lm is patched. Each attention layer gets a `TreeKV` stand-in for its cache:
 - `offset` is an array [n+1] (cache offset + depth of each node): mlx-lm's attentions pass `cache.offset` to
   `mx.fast.rope`, which takes one offset per batch row, so every node is rotated at its own chain position;
 - `update_and_fetch` returns, for every row, the real cache's visible rows followed by all n+1 new rows, and keeps
@@ -33,17 +33,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import gated_delta_update
 
 from ..errors import DFlashError
 from .adapter import TargetModel, split_into_stages
-from .hybrid import (GatedDeltaCache, GDNWrite, ReplayRollback, TapeRollback, _project_qwen3_5,
-                     _project_qwen3_next)
+from .walk import Tree, run
+from .hybrid import GatedDeltaCache, GDNWrite, ReplayRollback, TapeRollback, gdn_heads, gdn_output, gdn_project
 from .rotating import WindowKVCache
 
 
 # -- support ---------------------------------------------------------------------------------------------------
-def _is_gdn(target: TargetModel, c: Any) -> bool:
+def is_gdn(target: TargetModel, c: Any) -> bool:
     return target.family.gated_delta and isinstance(c, ArraysCache)
 
 
@@ -51,14 +51,11 @@ def tree_support(target: TargetModel, cache: Sequence[Any]) -> Optional[str]:
     """None when `tree_forward` works for this target and cache, else a one-line reason (callers use chains)."""
     if target.stage_aware or split_into_stages(target.model) or type(target).forward is not TargetModel.forward:
         return "target runs a pipeline stage or its own walk"
-    gemma4 = target.family.name == "gemma4"
-    if target.family.forward not in _known_walks():
-        return f"family '{target.family.name}' walks its layers its own way"
-    if len(cache) != target.num_layers and not (gemma4 and len(cache) < target.num_layers):
+    if len(cache) != target.num_layers and not (target.family.shares_kv and len(cache) < target.num_layers):
         return "cache does not have one entry per layer"
     offsets = set()
     for i, c in enumerate(cache):
-        if _is_gdn(target, c):
+        if is_gdn(target, c):
             if c.lengths is not None or c.left_padding is not None:
                 return "batched (length-padded) GatedDeltaNet cache"
             if c[1] is not None and c[1].shape[0] != 1:
@@ -79,13 +76,6 @@ def tree_support(target: TargetModel, cache: Sequence[Any]) -> Optional[str]:
     return None
 
 
-def _known_walks():
-    from .families import walk_layers
-    from .gemma import gemma4_forward
-
-    return (walk_layers, gemma4_forward)
-
-
 # -- the stand-in cache of an attention layer ------------------------------------------------------------------
 def _visible(c: Any) -> Tuple[Optional[mx.array], Optional[mx.array]]:
     """The real cache's rows any node may see, oldest first (a window cache: its last max_size - 1)."""
@@ -98,7 +88,7 @@ def _visible(c: Any) -> Tuple[Optional[mx.array], Optional[mx.array]]:
     return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
 
 
-class _TreeKV:
+class TreeKV:
     """What an mlx-lm attention sees as its cache during a tree pass (see module docstring)."""
 
     def __init__(self, real: Any, offsets: mx.array):
@@ -118,7 +108,7 @@ class _TreeKV:
         return (mx.broadcast_to(ks, (n, *ks.shape[1:])), mx.broadcast_to(vs, (n, *vs.shape[1:])))
 
 
-def _mask(c: Any, offset: int, depth: np.ndarray, anc: np.ndarray) -> mx.array:
+def tree_mask(c: Any, offset: int, depth: np.ndarray, anc: np.ndarray) -> mx.array:
     """Boolean [n+1, 1, 1, S+n+1]: the cached rows (within the window), then ancestors-or-self."""
     n1 = len(depth)
     pk, _ = _visible(c)
@@ -164,26 +154,16 @@ def _conv_index(parents: Sequence[int], keep: int) -> np.ndarray:
     return idx
 
 
-def _gdn_tree(attn: nn.Module, x: mx.array, cache: Any, parents: Sequence[int], levels: List[List[int]]):
+def gdn_tree(attn: nn.Module, x: mx.array, cache: Any, parents: Sequence[int], levels: List[List[int]]):
     """GatedDeltaNet over the tree's nodes (x: [n+1, 1, D]); returns (output, record)."""
     N = x.shape[0]
-    project = _project_qwen3_next if "in_proj_qkvz" in attn else _project_qwen3_5
-    qkv, z, b, a = project(attn, x)
+    qkv, z, b, a = gdn_project(attn, x)
     keep = attn.conv_kernel_size - 1
     prev_conv, prev_state = cache[0], cache[1]
     conv_state = prev_conv if prev_conv is not None else mx.zeros((1, keep, attn.conv_dim), dtype=x.dtype)
     table = mx.concatenate([conv_state[0], qkv[:, 0]], axis=0)
     windows = table[mx.array(_conv_index(parents, keep))]  # [n+1, K, C]
-    conv_out = nn.silu(attn.conv1d(windows))  # [n+1, 1, C]
-    q, k, v = [
-        t.reshape(N, 1, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
-            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
-            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = gdn_heads(attn, nn.silu(attn.conv1d(windows)))  # [n+1, 1, heads, d]
     use_kernel = not attn.training
     # One recurrence step per depth level, each node from its parent's state (elementwise: the chain's numbers).
     slot = {}
@@ -202,11 +182,7 @@ def _gdn_tree(attn: nn.Module, x: mx.array, cache: Any, parents: Sequence[int], 
     order = [i for nodes in levels for i in nodes]
     inverse = np.argsort(np.array(order))
     out = mx.take(mx.concatenate(ys, axis=0), mx.array(inverse), axis=0)  # [n+1, 1, Hv, Dv]
-    out = attn.norm(out, z)
-    out = attn.out_proj(out.reshape(N, 1, -1))
-    group = getattr(attn, "sharding_group", None)
-    if group is not None:
-        out = mx.distributed.all_sum(out, group=group)
+    out = gdn_output(attn, out, z)
     record = _GDNTree(prev_conv, prev_state, qkv[:, 0], q, k, v, a, b, states, attn.A_log, attn.dt_bias,
                       use_kernel, keep, prev_state)
     return out, record
@@ -231,92 +207,26 @@ def _check_parents(parents: Sequence[int]) -> Tuple[int, ...]:
     return parents
 
 
-def _walk(target, ids, cache, offsets, mask_for, parents, levels, write):
-    """`families.walk_layers` over the batch of nodes, with stand-in caches and tree masks."""
-    lm, inner, family = target.lm, target.inner, target.family
-    h = family.embed(lm, inner, ids)  # [n+1, 1, H]: one sequence per node
-    kept = {}
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        if _is_gdn(target, c):  # hybrid.hybrid_call_layer, with the GatedDeltaNet run along the tree
-            r, rec = _gdn_tree(layer.linear_attn, layer.input_layernorm(h), c, parents, levels)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            write.layers.append(rec)
-        else:
-            stand_in = _TreeKV(c, offsets)
-            h = family.call_layer(layer, h, mask_for(c), stand_in)
-            write.layers.append(stand_in.new)
-        if i in target.tap_layer_ids:
-            kept[i] = h
-    return h, kept
-
-
-def _walk_gemma4(target, ids, cache, offsets, mask_for, parents, levels, write):
-    """`gemma.gemma4_forward` over the batch of nodes: KV-shared layers reuse their source layer's rows and mask."""
-    inner = target.inner
-    n = len(inner.layers)
-    embeddings = inner.embed_tokens(ids)
-    h = embeddings * inner.embed_scale
-    per_layer: List[Optional[mx.array]] = [None] * n
-    if inner.hidden_size_per_layer_input:
-        inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids, embeddings))
-        per_layer = [inputs[:, :, i, :] for i in range(n)]
-    cache = list(cache) + [None] * (n - len(cache))
-    shared: List[Tuple[Any, Any]] = [(None, None)] * n
-    layer_masks: List[Any] = [None] * n
-    kept = {}
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        src = inner.previous_kvs[i]
-        kvs, off = shared[src]
-        stand_in = None if c is None else _TreeKV(c, offsets)
-        layer_masks[i] = layer_masks[src] if c is None else mask_for(c)
-        h, kvs, off = layer(h, layer_masks[i], stand_in, per_layer_input=per_layer[i], shared_kv=kvs, offset=off)
-        shared[i] = (kvs, off)
-        if stand_in is not None:
-            write.layers.append(stand_in.new)
-        if i in target.tap_layer_ids:
-            kept[i] = h
-    return h, kept
+def tree_segment(target: TargetModel, ids: mx.array, parents: Sequence[int], cache: Sequence[Any]) -> Tree:
+    """The tree as a segment of a pass (`walk.Tree`), checked: a target and cache that can take it, parents that
+    make a tree, one id per node."""
+    reason = tree_support(target, cache)
+    if reason is not None:
+        raise DFlashError(f"tree verify not supported: {reason}")
+    parents = _check_parents(parents)
+    if ids.shape != (1, len(parents)):
+        raise DFlashError(f"tree ids have shape {ids.shape}, expected (1, {len(parents)})")
+    return Tree(ids, list(cache), parents)
 
 
 def tree_forward(target: TargetModel, ids: mx.array, parents: Sequence[int], cache: Sequence[Any]
                  ) -> Tuple[mx.array, mx.array, TreeWrite]:
     """Logits [1, n+1, V] and tapped hidden [1, n+1, nH] of every tree node, as a chain pass of its root-to-node
     path would give them; the caches are left as they were (see module docstring)."""
-    reason = tree_support(target, cache)
-    if reason is not None:
-        raise DFlashError(f"tree verify not supported: {reason}")
-    parents = _check_parents(parents)
-    n1 = len(parents)
-    if ids.shape != (1, n1):
-        raise DFlashError(f"tree ids have shape {ids.shape}, expected (1, {n1})")
-    depths = [0] * n1
-    anc = np.eye(n1, dtype=bool)
-    for i in range(1, n1):
-        depths[i] = depths[parents[i]] + 1
-        anc[i] |= anc[parents[i]]
-    depth = np.array(depths)
-    levels = [[i for i in range(n1) if depths[i] == d] for d in range(max(depths) + 1)]
-    offset = next(c.offset for c in cache if not _is_gdn(target, c))
-    offsets = mx.array(offset + depth, dtype=mx.int32)
-    write = TreeWrite(parents, tuple(depths), offset)
-    write.slots = {i: j for nodes in levels for j, i in enumerate(nodes)}
-
-    masks: Dict[Tuple, mx.array] = {}
-
-    def mask_for(c: Any) -> mx.array:  # layers whose caches hold the same rows share one mask
-        key = (type(c), getattr(c, "max_size", None), c.offset, getattr(c, "_idx", None))
-        if key not in masks:
-            masks[key] = _mask(c, offset, depth, anc)
-        return masks[key]
-
-    walk = _walk_gemma4 if target.family.name == "gemma4" else _walk
+    segment = tree_segment(target, ids, parents, cache)
     with target.verify_qmm:
-        h, kept = walk(target, ids.reshape(n1, 1), cache, offsets, mask_for, parents, levels, write)
-        logits = target.head(target.inner.norm(h))
-    feats = [kept[i] for i in target.tap_layer_ids]
-    hidden = mx.concatenate(feats, axis=-1) if len(feats) > 1 else (feats[0] if feats else h[..., :0])
-    return logits.reshape(1, n1, logits.shape[-1]), hidden.reshape(1, n1, hidden.shape[-1]), write
+        (logits,), (hidden,) = run(target, [segment])
+    return logits, hidden, segment.write
 
 
 # -- commit ----------------------------------------------------------------------------------------------------
