@@ -13,6 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from .mlx_lm_contract import gemma4_per_layer_inputs
+
 
 def gemma4_embed(lm: nn.Module, inner: nn.Module, ids: mx.array) -> mx.array:
     return inner.embed_tokens(ids) * inner.embed_scale
@@ -34,7 +36,7 @@ def gemma4_layer_inputs(inner: nn.Module, ids: mx.array, h: mx.array) -> Optiona
     """The per-layer input embeddings [B, T, D] of every layer (per token), or None where the model has none."""
     if not inner.hidden_size_per_layer_input:
         return None
-    inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids, inner.embed_tokens(ids)))
+    inputs = gemma4_per_layer_inputs(inner, ids, h)
     return [inputs[:, :, i, :] for i in range(len(inner.layers))]
 
 
