@@ -368,8 +368,8 @@ def test_stream_generate_runs_trees_by_default_and_chains_when_told(monkeypatch,
 
     model, tokenizer, drafter = api.load(*(str(p) for p in make_tiny_pair(tmp_path)))
     calls = []
-    real = step.tree_forward
-    monkeypatch.setattr(step, "tree_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = step.tree_segment  # every tree pass starts as a tree segment of the layer walk
+    monkeypatch.setattr(step, "tree_segment", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def trees(**options) -> int:
         calls.clear()
