@@ -20,6 +20,12 @@ import mlx.core as mx
 DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"  # the proposers the package ships, by name
 
 
+def is_drafted(source: str) -> bool:
+    """Whether a pass from `source` was drafted by a drafting proposer (a DFlash drafter's block, a target's MTP
+    layers, any proposer a caller plugs in), rather than copied from the context (lookup) or not drafted (plain)."""
+    return source not in (LOOKUP, PLAIN)
+
+
 @dataclass
 class Offer:
     """What a proposer could draft for the next pass, before the planner chooses its width."""
