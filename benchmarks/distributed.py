@@ -87,7 +87,7 @@ def _decode_run(target, drafter, ids: List[int], max_tokens: int, block: int, gr
     if group is not None:
         barrier(group)  # no rank sends before every rank has read its counters
     gen = dflash_generate_step(mx.array(ids, dtype=mx.int32), target, drafter, max_tokens=max_tokens,
-                               block_size=block)
+                               width=block)
     tic = time.perf_counter()
     first = next(gen)  # prefill
     start = time.perf_counter()

@@ -16,7 +16,6 @@ import json
 import math
 import signal
 import sys
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
@@ -51,7 +50,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, drafter, *, system: Optional[str] = None, max_tokens: int = 1024,
                  width: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None,
-                 lookup: Optional[bool] = None, block_size: Optional[int] = None, tree_budget=DEFAULT_TREES):
+                 lookup: Optional[bool] = None, tree_budget=DEFAULT_TREES):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.model = model
@@ -59,9 +58,7 @@ class ChatSession:
         self.drafter = drafter
         self.system = system
         self.max_tokens = max_tokens
-        if block_size is not None:
-            warnings.warn("ChatSession(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=2)
-        self.width = width if width is not None else block_size  # verify width per pass (None: chosen each pass)
+        self.width = width  # verify width per pass (None: chosen each pass)
         self.lookup = lookup  # drafts copied from the conversation (earlier turns included); see api.stream_generate
         self.tree_budget = tree_budget  # drafted blocks verified as trees (None: chains); see api.stream_generate
         self.sampling: Dict = dict(sampling or {})

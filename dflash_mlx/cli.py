@@ -105,9 +105,8 @@ def generate(
     quant: Optional[str] = QUANT_OPTION,
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (-1: until EOS)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
-                                             help="Fix the tokens verified per pass (default: chosen every pass, up to "
-                                             "the drafter's block size; 1 = plain decoding)."),
+    width: Optional[int] = typer.Option(None, "--width", min=1, help="Fix the tokens verified per pass (default: "
+                                        "chosen every pass, up to the drafter's block size; 1 = plain decoding)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message for the chat template."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt as raw text."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print tok/s, acceptance length τ and its histogram."),
@@ -137,8 +136,8 @@ def generate(
         _check_text(system_prompt, "--system-prompt")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
-    console.warn_before_run(target, drafter, len(ids), block_size)
-    options = dict(max_tokens=max_tokens, width=block_size, seed=seed, **sampling)
+    console.warn_before_run(target, drafter, len(ids), width)
+    options = dict(max_tokens=max_tokens, width=width, seed=seed, **sampling)
     if no_lookup:
         options["lookup"] = False
     options["tree_budget"] = budget
@@ -159,8 +158,8 @@ def chat(
     draft: Optional[str] = DRAFT_OPTION,
     quant: Optional[str] = QUANT_OPTION,
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply (-1: until EOS)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
-                                             help="Fix the tokens verified per pass (default: chosen every pass)."),
+    width: Optional[int] = typer.Option(None, "--width", min=1,
+                                        help="Fix the tokens verified per pass (default: chosen every pass)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy); /temp changes it."),
     top_p: float = TOP_P_OPTION,
@@ -192,11 +191,11 @@ def chat(
     if history is not None and not history.expanduser().is_file():
         raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
-    console.warn_before_run(target, drafter, 0, block_size)
+    console.warn_before_run(target, drafter, 0, width)
     if seed is not None:
         sampling["seed"] = seed
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
-                          width=block_size, sampling=sampling, thinking=thinking,
+                          width=width, sampling=sampling, thinking=thinking,
                           lookup=False if no_lookup else None, tree_budget=budget)
     if history is not None:
         session.load(str(history))
@@ -221,8 +220,8 @@ def serve(
                                                    "keeps long system prompts warm; created if missing."),
     prompt_cache_dir_bytes: str = typer.Option("16GiB", "--prompt-cache-dir-bytes", help="Disk budget of "
                                                "--prompt-cache-dir: its least recently used entries go beyond it."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Fix the verify width (default: chosen "
-                                             "every pass; 1 = plain decoding)."),
+    width: Optional[int] = typer.Option(None, "--width", min=1, help="Fix the tokens verified per pass (default: "
+                                        "chosen every pass; 1 = plain decoding)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Most tokens for a request that "
                                              "sets no limit (default: what the context leaves, as OpenAI does)."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature of requests that set none."),
@@ -328,7 +327,7 @@ def convert(
 
 
 def _int_list(values: Optional[List[str]], flag: str) -> List[int]:
-    """Repeated and/or comma-separated integers: --block-size 4 --block-size 8,16."""
+    """Repeated and/or comma-separated integers: --widths 4 --widths 8,16."""
     try:
         return [int(v) for value in values or [] for v in value.split(",") if v.strip()]
     except ValueError:
@@ -352,8 +351,9 @@ def bench(
                                 "given code), or a .jsonl file with a 'prompt', 'text' or 'turns' field."),
     num_prompts: int = typer.Option(10, "--num-prompts", help="Prompts to run (the first N)."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per prompt (fewer at EOS)."),
-    block_size: Optional[List[str]] = typer.Option(None, "--block-size", help="DFlash block sizes, repeated or "
-                                                   "comma-separated (default: the drafter's, else 16)."),
+    widths: Optional[List[str]] = typer.Option(None, "--widths", help="Fixed verify widths to run the drafter (and "
+                                               "the oracle) at, repeated or comma-separated (default: the "
+                                               "drafter's block, else 16)."),
     num_draft: Optional[List[str]] = typer.Option(None, "--num-draft", help="Draft tokens per pass for (b), "
                                                   "repeated or comma-separated (default 3)."),
     tree_budget: Optional[List[str]] = typer.Option(None, "--tree-budget", help="Also run the drafter with each "
@@ -372,7 +372,7 @@ def bench(
     profile_prompts: Optional[int] = typer.Option(None, "--profile-prompts", help="Profile only the first N "
                                                   "prompts (default: all)."),
     fixed_draft: bool = typer.Option(True, "--fixed-draft/--no-fixed-draft", help="Also run the drafter at each "
-                                     "fixed --block-size (the oracle always is)."),
+                                     "fixed width of --widths (the oracle always is)."),
     no_lookup: bool = typer.Option(False, "--no-lookup", help="Skip the lookup methods (DFlash with drafts copied "
                                    "from the context, and lookup alone)."),
     drafter_alone: bool = typer.Option(True, "--drafter-alone/--no-drafter-alone", help="Also run the drafter "
@@ -392,7 +392,7 @@ def bench(
     budgets = [tree_budget_value(v.strip()) for value in tree_budget or [] for v in value.split(",") if v.strip()]
     config = BenchConfig(
         model=model, draft=draft, ar_draft=ar_draft, oracle=oracle, prompts=prompts, num_prompts=num_prompts,
-        max_tokens=max_tokens, block_sizes=_int_list(block_size, "--block-size"),
+        max_tokens=max_tokens, block_sizes=_int_list(widths, "--widths"),
         num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
         out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,

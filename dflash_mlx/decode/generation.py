@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
 
@@ -63,7 +62,6 @@ class Generation:
             alone). Only with a chosen width (no `width`, no `planner`). lookup_width: widest lookup pass.
         proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
         prefill_step_size, prefill_progress, mask_token_id, profiler: as `loop.dflash_generate_step` takes them.
-        width_policy: deprecated name of `planner`.
         tree_budget: drafting passes verify a DDTree of up to this many drafted nodes in one target pass (an int),
             or the planner chooses chain or budget by measured speed ("auto"); None: chains.
     """
@@ -75,12 +73,9 @@ class Generation:
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
-                 lookup_width: int = 32, proposer=None, width_policy=None, tree_budget=None, **sampling):
+                 lookup_width: int = 32, proposer=None, tree_budget=None, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
-        if width_policy is not None:
-            warnings.warn("width_policy= is deprecated: pass planner=", DeprecationWarning, stacklevel=2)
-            planner = planner or width_policy
         if acceptor is None:
             acceptor = _acceptor(sampling)
         elif sampling:

@@ -107,7 +107,7 @@ class CollapseWatch:
             action = f"falling back to plain decoding; verify widths used: {stats.format_widths()}"
         else:
             action = (f"the width is fixed ({stats.format_widths()}), so drafting is slower than plain decoding "
-                      "here; leave --block-size out to let the engine fall back to plain decoding")
+                      "here; leave --width out to let the engine fall back to plain decoding")
         if self.made_for:
             # The pair was checked and the drafter is the one made for this target: the prompt is the variable.
             causes = (f"the drafter made for {self.made_for} predicts it poorly on this kind of prompt (it is weak "

@@ -62,11 +62,6 @@ class Pass:
     def text(self) -> str:
         return "".join(self.segments)
 
-    @property
-    def block_size(self) -> int:
-        """Deprecated: the pass's verify width under its earlier name (the drafter's block is another thing)."""
-        return self.width
-
 
 @dataclass
 class Launch:

@@ -152,7 +152,7 @@ def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, qua
     group = setup()
     settings.name_after(model, drafter)
     if group.rank() != 0:
-        follow(Generator(target, tokenizer, draft, width=settings.block_size,
+        follow(Generator(target, tokenizer, draft, width=settings.width,
                          prompt_cache_bytes=settings.prompt_cache_bytes), group)
         return
     # uvicorn re-raises the signal it shut down for once it is done; SIGTERM's default action would end this

@@ -57,7 +57,7 @@ class ServerSettings:
     prompt_cache_bytes: int = 2 << 30
     prompt_cache_dir: Optional[str] = None  # evicted prefix-cache entries (and all at shutdown) kept on disk here
     prompt_cache_dir_bytes: int = 16 << 30
-    block_size: Optional[int] = None
+    width: Optional[int] = None  # tokens verified per pass (None: chosen every pass)
     default_max_tokens: Optional[int] = None  # for requests that set no limit; None: what the context leaves
     context_length: Optional[int] = None  # default: the target's max_position_embeddings
     temperature: float = 0.0  # when a request sets none (OpenAI's own default is 1.0)
@@ -103,7 +103,7 @@ class Server:
             store = PrefixStore(prepare_folder(settings.prompt_cache_dir),
                                 fingerprint(model, drafter_model(drafter)[0]),
                                 settings.prompt_cache_dir_bytes)
-        self.generator = Generator(model, self.tokenizer, drafter, width=settings.block_size,
+        self.generator = Generator(model, self.tokenizer, drafter, width=settings.width,
                                    prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,
                                    store=store)
         self.metrics = Metrics()
@@ -331,7 +331,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         return {"id": name, "object": "model", "created": server.created, "owned_by": "dflash-mlx",
                 "context_length": server.context_length,
                 "dflash": {"drafter": settings.drafter_name,
-                           "block_size": gen.width or (gen.drafter.block_size if gen.drafter else 1),
+                           "width": gen.width or (gen.drafter.block_size if gen.drafter else 1),
                            "adaptive_width": (gen.drafter is not None or gen.lookup_only) and gen.width is None}}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
