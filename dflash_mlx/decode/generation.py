@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import DFlashError
-from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
+from .acceptance import Acceptor, make_acceptor, reproducible
 from .lookup import LookupIndex
 from .loop import dflash_generate_step
 from .planner import Planner, build_planner, tree_chooser, with_trees
@@ -92,16 +92,16 @@ class Generation:
         # A fixed tree budget drafts every pass however little is accepted (like a fixed width).
         self.adaptive = (drafting or use_lookup) and width is None and not isinstance(tree_budget, int)
         # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
-        reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
+        seeded = reproducible(acceptor)
         if width is not None:
             planner = None  # a fixed width wins over any planner
         elif planner is not None and not isinstance(planner, Planner):
             planner = build_planner(drafting=self.proposer, policy=planner)
         self.planner: Planner = planner or build_planner(
             drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
-            reproducible=reproducible, shared=self._shared_planner, tree_budget=tree_budget)
+            reproducible=seeded, shared=self._shared_planner, tree_budget=tree_budget)
         if self.planner.trees is None:  # a planner of the caller's
-            with_trees(self.planner, tree_chooser(tree_budget, reproducible))
+            with_trees(self.planner, tree_chooser(tree_budget, seeded))
         self.sources: Optional[SourceChoice] = self.planner.choice
         self.lookup = _lookup_index(state, history) if use_lookup else None
         self.stats = AcceptanceStats(adaptive=self.adaptive)

@@ -23,7 +23,7 @@ from typing import Callable, Generator, Optional, Sequence
 import mlx.core as mx
 
 from ..targets import TargetModel
-from .acceptance import Acceptor, GreedyAcceptor, SamplingAcceptor
+from .acceptance import Acceptor, GreedyAcceptor, reproducible
 from .lookup import LookupIndex
 from .planner import Planner, planner_for
 from .proposers import Proposer
@@ -82,7 +82,7 @@ def dflash_generate_step(
     drafting = drafting_proposer(drafter, proposer, mask_token_id)
     plan = planner_for(drafting, width=width, planner=planner, sources=sources,
                        lookup=lookup, tree_budget=tree_budget,
-                       reproducible=isinstance(acceptor, SamplingAcceptor))  # sampled: budgets by acceptance
+                       reproducible=reproducible(acceptor))  # a seeded run: budgets by acceptance
     check_ready(drafting, plan)
     state = state or DecodeState.fresh(target, drafter)
     decoder = Decoder(target, drafter, proposers_for(drafting, lookup if plan.choice is not None else None), plan,
