@@ -315,3 +315,4 @@ def test_the_collapse_warning_fires_for_mtp(pairs, caplog):
     assert gen.stats.drafted_cycles == len(drafted)
     messages = [r.getMessage() for r in caplog.records if "acceptance collapsed" in r.getMessage()]
     assert len(messages) == 1 and "drafting is slower than plain decoding" in messages[0]
+    assert "own MTP layers" in messages[0] and "another fine-tune" not in messages[0]  # no separate drafter

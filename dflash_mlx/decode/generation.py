@@ -32,6 +32,7 @@ from .acceptance import Acceptor, make_acceptor, reproducible
 from .lookup import LookupIndex
 from .loop import dflash_generate_step
 from .planner import Planner, build_planner, tree_chooser, with_trees
+from .proposers.mtp import MTP
 from .sources import SourceChoice
 from .state import DecodeState
 from .stats import AcceptanceStats, CollapseWatch
@@ -107,7 +108,8 @@ class Generation:
         self.stats = AcceptanceStats(adaptive=self.adaptive)
         # A drafter we picked for this target by name is known to fit it; any other may be made for another one.
         made_for = getattr(drafter, "made_for", None)
-        self.watch = (CollapseWatch(made_for=made_for, fixed_trees=isinstance(tree_budget, int))
+        own_layers = self.proposer is not None and self.proposer.name == MTP
+        self.watch = (CollapseWatch(made_for=made_for, fixed_trees=isinstance(tree_budget, int), own_layers=own_layers)
                       if warn_collapse else None)
         self.collapse_warning: Optional[str] = None
         self._warned = False

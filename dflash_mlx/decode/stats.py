@@ -88,11 +88,12 @@ class CollapseWatch:
     """
 
     def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25, made_for: Optional[str] = None,
-                 fixed_trees: bool = False):
+                 fixed_trees: bool = False, own_layers: bool = False):
         self.fixed_trees = fixed_trees  # a fixed tree budget, not a fixed width, keeps every drafting pass wide
         self.min_cycles = min_cycles
         self.max_accepted = max_accepted
         self.made_for = made_for  # the target the drafter was published for, when it was picked by that name
+        self.own_layers = own_layers  # the drafts come from the target's own MTP layers, not a separate drafter
         self.fired = False
 
     def check(self, stats: AcceptanceStats):
@@ -108,7 +109,10 @@ class CollapseWatch:
         else:
             action = (f"the width is fixed ({stats.format_widths()}), so drafting is slower than plain decoding "
                       "here; leave --width out to let the engine fall back to plain decoding")
-        if self.made_for:
+        if self.own_layers:
+            causes = ("the target's own MTP layers predict it poorly on this kind of prompt (or the checkpoint's "
+                      "MTP layers were not trained along with its other weights, as after a fine-tune)")
+        elif self.made_for:
             # The pair was checked and the drafter is the one made for this target: the prompt is the variable.
             causes = (f"the drafter made for {self.made_for} predicts it poorly on this kind of prompt (it is weak "
                       "on text unlike its training data)")
