@@ -42,7 +42,8 @@ class DFlashResponse(GenerationResponse):
         tau (float): acceptance length so far (mean tokens committed per verify pass).
         widths (dict): verify width -> passes so far (the widths the engine used).
         stats (AcceptanceStats): the running statistics object (histograms included).
-        source (str): where that pass's drafts came from: "dflash", "lookup" (copied from the context) or "plain".
+        source (str): where that pass's drafts came from: "dflash" (the drafter), "mtp" (the target's MTP layers),
+            "lookup" (copied from the context), a proposer of your own by its name, or "plain" (none).
     """
 
     accepted: int = 0

@@ -17,7 +17,8 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"  # the proposers the package ships, by name
+# Proposers by name: the DFlash family's drafter, prompt lookup, none (the MTP proposer names itself "mtp").
+DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"
 
 
 def is_drafted(source: str) -> bool:

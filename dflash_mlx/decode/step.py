@@ -53,7 +53,7 @@ class Pass:
     width: int  # tokens the pass verified (1: a plain decoding step; 1 for the prefill's token)
     logits: Optional[mx.array] = None  # [len(tokens), V] the target logits that chose each token (lazy)
     is_prefill: bool = False
-    source: str = PLAIN  # the proposer of its drafts: "dflash", "lookup" or "plain" (no drafts)
+    source: str = PLAIN  # its proposer's name: "dflash", "mtp", "lookup", a caller's own, or "plain" (no drafts)
     segments: List[str] = field(default_factory=list)  # text each token added (filled by `Generation`)
     finish_reason: Optional[str] = None  # "stop", "length" or None (filled by `Generation`)
 
