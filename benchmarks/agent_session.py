@@ -85,7 +85,7 @@ def replay(base: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def serve(model, tokenizer, drafter, plain: bool, max_tokens):
     from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 
-    settings = ServerSettings(model_name="session", block_size=1 if plain else None, max_batch=1,
+    settings = ServerSettings(model_name="session", width=1 if plain else None, max_batch=1,
                               default_max_tokens=max_tokens)
     return start_in_thread(create_app(model, tokenizer, drafter, settings))
 

@@ -87,7 +87,7 @@ def _decode_run(target, drafter, ids: List[int], max_tokens: int, block: int, gr
     if group is not None:
         barrier(group)  # no rank sends before every rank has read its counters
     gen = dflash_generate_step(mx.array(ids, dtype=mx.int32), target, drafter, max_tokens=max_tokens,
-                               block_size=block)
+                               width=block)
     tic = time.perf_counter()
     first = next(gen)  # prefill
     start = time.perf_counter()
@@ -95,7 +95,7 @@ def _decode_run(target, drafter, ids: List[int], max_tokens: int, block: int, gr
     for cycle in gen:
         tokens += cycle.tokens
         cycles += 1
-        width += cycle.block_size
+        width += cycle.width
     end = time.perf_counter()
     moved = (traffic.settled() - before).total if traffic else 0
     return dict(tokens=tokens, cycles=cycles, width=width, prefill_s=start - tic, decode_s=end - start, bytes=moved)

@@ -23,7 +23,7 @@ from .decode.generation import Generation
 from .decode.lookup import LOOKUP_ONLY, drafter_model
 from .decode.budget import DEFAULT_TREES, default_trees
 from .decode.memory import PlannerMemory
-from .decode.planner import Planner, renamed_width_args
+from .decode.planner import Planner, check_width
 from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
 from .drafters.dflash import DFlashDrafter
@@ -40,16 +40,15 @@ class DFlashResponse(GenerationResponse):
     Args (beyond mlx-lm's):
         accepted (int): draft tokens accepted by the verify pass this token came from.
         width (int): tokens that pass verified (its verify width; 1 = a plain decoding step).
-        block_size (int): deprecated name of `width`.
         tau (float): acceptance length so far (mean tokens committed per verify pass).
         widths (dict): verify width -> passes so far (the widths the engine used).
         stats (AcceptanceStats): the running statistics object (histograms included).
-        source (str): where that pass's drafts came from: "dflash", "lookup" (copied from the context) or "plain".
+        source (str): where that pass's drafts came from: "dflash" (the drafter), "mtp" (the target's MTP layers),
+            "lookup" (copied from the context), a proposer of your own by its name, or "plain" (none).
     """
 
     accepted: int = 0
     width: int = 1
-    block_size: int = 1
     tau: float = 0.0
     widths: Optional[dict] = None
     stats: Optional[AcceptanceStats] = None
@@ -84,7 +83,6 @@ def stream_generate(
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     lookup: Optional[bool] = None,
     proposer=None,
-    block_size: Optional[int] = None,
     tree_budget: Union[int, str, None] = DEFAULT_TREES,
     memory: Optional[PlannerMemory] = None,
     **sampling,
@@ -115,7 +113,6 @@ def stream_generate(
         warn_collapse: log one warning (logger "dflash_mlx") when drafts are almost never accepted for many passes.
         proposer: a drafting method of your own for passes wider than 1, in the drafter's place
             (`decode.proposers.Proposer`; see docs/python-api.md).
-        block_size: deprecated name of `width` (an object there: of `planner`).
         tree_budget: each drafting pass verifies a draft tree of up to this many nodes in one target pass (DDTree:
             the drafter's likeliest continuations, several per position where it is unsure); "auto": the planner
             chooses chain or tree budget by measured speed; None: chains. Default: "auto", chains with a fixed
@@ -135,7 +132,7 @@ def stream_generate(
         DFlashResponse: text segment, token, logprobs, from_draft, timing, memory, finish_reason and
         acceptance statistics. The last response has `finish_reason` "stop" (EOS) or "length".
     """
-    width, planner = renamed_width_args(width, planner, block_size, "stream_generate")
+    check_width(width, "stream_generate")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
@@ -174,7 +171,6 @@ def _responses(generation: Generation) -> Generator[DFlashResponse, None, None]:
                 finish_reason=p.finish_reason if i == len(p.tokens) - 1 else None,
                 accepted=p.accepted,
                 width=p.width,
-                block_size=p.width,
                 tau=stats.tau,
                 widths=dict(stats.widths),
                 stats=stats,

@@ -13,10 +13,8 @@ that fails, each prints one `error:` line and the conversation goes on as it was
 from __future__ import annotations
 
 import json
-import math
 import signal
 import sys
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
@@ -27,6 +25,7 @@ from .decode.lookup import drafter_model
 from .decode.memory import PlannerMemory
 from .decode.state import DecodeState
 from .decode.stats import AcceptanceStats
+from .chat_file import check_sampling, parse_conversation
 from .errors import DFlashError
 from .io_safety import write_text_atomic
 
@@ -52,7 +51,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, drafter, *, system: Optional[str] = None, max_tokens: int = 1024,
                  width: Optional[int] = None, sampling: Optional[Dict] = None, thinking: Optional[bool] = None,
-                 lookup: Optional[bool] = None, block_size: Optional[int] = None, tree_budget=DEFAULT_TREES):
+                 lookup: Optional[bool] = None, tree_budget=DEFAULT_TREES):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.model = model
@@ -60,9 +59,7 @@ class ChatSession:
         self.drafter = drafter
         self.system = system
         self.max_tokens = max_tokens
-        if block_size is not None:
-            warnings.warn("ChatSession(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=2)
-        self.width = width if width is not None else block_size  # verify width per pass (None: chosen each pass)
+        self.width = width  # verify width per pass (None: chosen each pass)
         self.lookup = lookup  # drafts copied from the conversation (earlier turns included); see api.stream_generate
         self.tree_budget = tree_budget  # drafted blocks verified as trees (None: chains); see api.stream_generate
         # What a turn measured (pass costs, acceptance, tree budgets) starts the next turn's planner.
@@ -105,7 +102,7 @@ class ChatSession:
             raise DFlashError(f"cannot read {path}: {e.strerror or e}; check the path") from None
         except ValueError as e:  # bad JSON or bad UTF-8
             raise DFlashError(f"{path} is not valid JSON ({e}); give a file saved with /save") from None
-        system, messages, sampling, thinking = _parse_conversation(data, path)
+        system, messages, sampling, thinking = parse_conversation(data, path)
         self.system, self.messages = system, messages
         self.sampling = dict(sampling or self.sampling)
         if "thinking" in data:
@@ -240,66 +237,6 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, DFlashError):
         return text
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-_ROLES = ("system", "user", "assistant")
-# stream_generate's numeric sampling options (a saved file is passed back to it as keywords)
-_SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep", "seed", "repetition_penalty",
-                  "repetition_context_size")
-
-
-def check_sampling(sampling: Dict) -> None:
-    """Raise a one-line DFlashError for a sampling value `stream_generate` would refuse (or that would make every
-    reply fail or be meaningless): numbers only, finite, in range."""
-    from .decode.sampling import SamplingParams, check_seed
-
-    for key, value in sampling.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DFlashError(f"{key} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise DFlashError(f"{key} must be a finite number, got {value}")
-    params = {k: v for k, v in sampling.items() if k in ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep")
-              and v is not None}
-    SamplingParams(**params)
-    check_seed(sampling.get("seed"), "seed")
-    penalty = sampling.get("repetition_penalty")
-    if penalty is not None and not penalty > 0:
-        raise DFlashError(f"repetition_penalty must be > 0, got {penalty}")
-    size = sampling.get("repetition_context_size")
-    if size is not None and (int(size) != size or size < 1):
-        raise DFlashError(f"repetition_context_size must be a positive integer, got {size}")
-
-
-def _parse_conversation(data, path: str):
-    """(system, messages, sampling, thinking) of a saved conversation, checked field by field."""
-    def bad(what: str) -> DFlashError:
-        return DFlashError(f"{path} is not a conversation saved with /save: {what}")
-
-    if not isinstance(data, dict):
-        raise bad("the top level must be a JSON object")
-    messages = data.get("messages")
-    if not isinstance(messages, list):
-        raise bad("'messages' must be a list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-            raise bad(f"message {i} must be an object with a role ({', '.join(_ROLES)}) and a text content")
-    system = data.get("system")
-    if system is not None and not isinstance(system, str):
-        raise bad("'system' must be a string or null")
-    sampling = data.get("sampling")
-    if sampling is not None:
-        if not isinstance(sampling, dict) or set(sampling) - set(_SAMPLING_KEYS):
-            raise bad(f"'sampling' may hold only {', '.join(_SAMPLING_KEYS)}")
-        try:
-            check_sampling(sampling)
-        except DFlashError as e:
-            raise bad(f"'sampling' is invalid ({e})") from None
-    thinking = data.get("thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise bad("'thinking' must be true, false or null")
-    return system, [dict(role=m["role"], content=m["content"]) for m in messages], sampling, thinking
 
 
 @contextmanager

@@ -34,7 +34,6 @@ import typer  # noqa: E402
 from .cli_options import (DRAFT_OPTION, MIN_P_OPTION, MODEL_OPTION, NO_LOOKUP_OPTION, PIPELINE_HELP,  # noqa: E402
                           QUANT_OPTION, TOP_K_OPTION, TOP_P_OPTION, TREE_BUDGET_OPTION, tree_budget_value)
 from .errors import DFlashError  # noqa: E402
-from .models.offline import DEFAULT_MODEL  # noqa: E402
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -105,9 +104,8 @@ def generate(
     quant: Optional[str] = QUANT_OPTION,
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (-1: until EOS)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
-                                             help="Fix the tokens verified per pass (default: chosen every pass, up to "
-                                             "the drafter's block size; 1 = plain decoding)."),
+    width: Optional[int] = typer.Option(None, "--width", min=1, help="Fix the tokens verified per pass (default: "
+                                        "chosen every pass, up to the drafter's block size; 1 = plain decoding)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message for the chat template."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt as raw text."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print tok/s, acceptance length τ and its histogram."),
@@ -137,8 +135,8 @@ def generate(
         _check_text(system_prompt, "--system-prompt")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
-    console.warn_before_run(target, drafter, len(ids), block_size)
-    options = dict(max_tokens=max_tokens, width=block_size, seed=seed, **sampling)
+    console.warn_before_run(target, drafter, len(ids), width)
+    options = dict(max_tokens=max_tokens, width=width, seed=seed, **sampling)
     if no_lookup:
         options["lookup"] = False
     options["tree_budget"] = budget
@@ -159,8 +157,8 @@ def chat(
     draft: Optional[str] = DRAFT_OPTION,
     quant: Optional[str] = QUANT_OPTION,
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply (-1: until EOS)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1,
-                                             help="Fix the tokens verified per pass (default: chosen every pass)."),
+    width: Optional[int] = typer.Option(None, "--width", min=1,
+                                        help="Fix the tokens verified per pass (default: chosen every pass)."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy); /temp changes it."),
     top_p: float = TOP_P_OPTION,
@@ -192,11 +190,11 @@ def chat(
     if history is not None and not history.expanduser().is_file():
         raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
-    console.warn_before_run(target, drafter, 0, block_size)
+    console.warn_before_run(target, drafter, 0, width)
     if seed is not None:
         sampling["seed"] = seed
     session = ChatSession(target, tokenizer, drafter, system=system_prompt, max_tokens=max_tokens,
-                          width=block_size, sampling=sampling, thinking=thinking,
+                          width=width, sampling=sampling, thinking=thinking,
                           lookup=False if no_lookup else None, tree_budget=budget)
     if history is not None:
         session.load(str(history))
@@ -221,8 +219,8 @@ def serve(
                                                    "keeps long system prompts warm; created if missing."),
     prompt_cache_dir_bytes: str = typer.Option("16GiB", "--prompt-cache-dir-bytes", help="Disk budget of "
                                                "--prompt-cache-dir: its least recently used entries go beyond it."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Fix the verify width (default: chosen "
-                                             "every pass; 1 = plain decoding)."),
+    width: Optional[int] = typer.Option(None, "--width", min=1, help="Fix the tokens verified per pass (default: "
+                                        "chosen every pass; 1 = plain decoding)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Most tokens for a request that "
                                              "sets no limit (default: what the context leaves, as OpenAI does)."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature of requests that set none."),
@@ -329,83 +327,9 @@ def convert(
     typer.echo(f"wrote {path}")
 
 
-def _int_list(values: Optional[List[str]], flag: str) -> List[int]:
-    """Repeated and/or comma-separated integers: --block-size 4 --block-size 8,16."""
-    try:
-        return [int(v) for value in values or [] for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise DFlashError(f"{flag} takes integers (repeat the flag or separate with commas), got {values}") from None
+from .cli_bench import bench  # noqa: E402
 
-
-@app.command()
-def bench(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Target: a local mlx-lm model dir, hub repo id or "
-                              f"offline model name (default {DEFAULT_MODEL}).", show_default=False),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash drafter for method (c) (default: the "
-                                        "one shipped for an offline model, if any); 'mtp': the target's own MTP "
-                                        "layers; 'lookup': drafts copied from the context alone."),
-    ar_draft: Optional[str] = typer.Option(None, "--ar-draft", help="Autoregressive draft model for mlx-lm's "
-                                           "speculative decoding, method (b)."),
-    oracle: bool = typer.Option(False, "--oracle", help="Method (d): DFlash with the target's own greedy "
-                                "continuation as draft (the ceiling of the machinery)."),
-    random_draft: bool = typer.Option(False, "--random-draft", help="Also run a random-weight drafter of the "
-                                      "--draft's shape, width chosen every pass (the floor)."),
-    prompts: str = typer.Option("humaneval", "--prompts", help="humaneval, mtbench, editing (answers that rewrite "
-                                "given code), or a .jsonl file with a 'prompt', 'text' or 'turns' field."),
-    num_prompts: int = typer.Option(10, "--num-prompts", help="Prompts to run (the first N)."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per prompt (fewer at EOS)."),
-    block_size: Optional[List[str]] = typer.Option(None, "--block-size", help="DFlash block sizes, repeated or "
-                                                   "comma-separated (default: the drafter's, else 16)."),
-    num_draft: Optional[List[str]] = typer.Option(None, "--num-draft", help="Draft tokens per pass for (b), "
-                                                  "repeated or comma-separated (default 3)."),
-    tree_budget: Optional[List[str]] = typer.Option(None, "--tree-budget", help="Also run the drafter with each "
-                                                    "drafted block verified as a tree of up to B tokens (repeated "
-                                                    "or comma-separated; 'auto': chain or tree by measured speed, "
-                                                    "what generate and chat do by default)."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method (0: greedy)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of prompt i is seed + i, the same for every method."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write bench.json and bench.png here."),
-    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed prompts as raw text."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-tokens tokens."),
-    no_profile: bool = typer.Option(False, "--no-profile", help="Skip the extra synced run that splits DFlash time "
-                                    "into draft / verify / rollback / host."),
-    verify_prompts: int = typer.Option(3, "--verify-prompts", help="Prompts on which to measure the k-token verify "
-                                       "cost and the drafting cost per block size (0: skip)."),
-    profile_prompts: Optional[int] = typer.Option(None, "--profile-prompts", help="Profile only the first N "
-                                                  "prompts (default: all)."),
-    fixed_draft: bool = typer.Option(True, "--fixed-draft/--no-fixed-draft", help="Also run the drafter at each "
-                                     "fixed --block-size (the oracle always is)."),
-    no_lookup: bool = typer.Option(False, "--no-lookup", help="Skip the lookup methods (DFlash with drafts copied "
-                                   "from the context, and lookup alone)."),
-    drafter_alone: bool = typer.Option(True, "--drafter-alone/--no-drafter-alone", help="Also run the drafter "
-                                       "without lookup drafts (--no-drafter-alone: only with them, a shorter run)."),
-    distributed: bool = typer.Option(False, "--distributed", help="Under mlx.launch: split the target over the "
-                                     "ranks and add per-pass communication bytes and time to the report."),
-    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
-):
-    """Benchmark DFlash against mlx-lm decoding: same target, weights and prompts, methods alternated."""
-    from . import distributed as ranks
-    from .bench import BenchConfig, format_table, run_bench
-
-    distributed = distributed or pipeline or ranks.launched()
-    if distributed and not ranks.launched():
-        raise DFlashError("--distributed and --pipeline split the target over several ranks: start the command with "
-                          "mlx.launch (see docs/distributed.md)")
-    budgets = [tree_budget_value(v.strip()) for value in tree_budget or [] for v in value.split(",") if v.strip()]
-    config = BenchConfig(
-        model=model, draft=draft, ar_draft=ar_draft, oracle=oracle, prompts=prompts, num_prompts=num_prompts,
-        max_tokens=max_tokens, block_sizes=_int_list(block_size, "--block-size"),
-        num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
-        out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
-        profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
-        profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline,
-        lookup=not no_lookup, drafter_alone=drafter_alone,
-        tree_budgets=[b for b in budgets if b is not None])  # 'off': the chains, which run anyway
-    report = run_bench(config)
-    typer.echo(format_table(report))
-    for kind, path in report.get("files", {}).items():
-        typer.echo(f"wrote {path}")
-
+app.command()(bench)
 
 from .models.offline import models_app  # noqa: E402  (light: mlx loads only when a model is converted)
 

@@ -35,7 +35,7 @@ NO_LOOKUP_OPTION = typer.Option(False, "--no-lookup", help="Never draft by copyi
 TREE_BUDGET_OPTION = typer.Option(None, "--tree-budget", help="Verify each drafted block as a tree of up to B "
                                   "tokens (the drafter's likeliest alternatives where it is unsure), in one target "
                                   "pass; 'auto': chain or tree chosen every pass by measured speed; 'off': chains. "
-                                  "Default: auto (off with --block-size or --seed).", show_default=False)
+                                  "Default: auto (off with --width or --seed).", show_default=False)
 
 
 def tree_budget_value(text: Optional[str]):

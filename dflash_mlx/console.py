@@ -16,7 +16,7 @@ from typing import Optional
 
 from . import api
 from .refs import is_repo_id
-from .validate import LONG_PROMPT_TOKENS, block_size_warning, check_model_dir, prompt_length_warning
+from .validate import LONG_PROMPT_TOKENS, check_model_dir, prompt_length_warning, width_warning
 
 
 def load_checked(model: str, draft: Optional[str], quant: Optional[str]):
@@ -37,11 +37,11 @@ def warn(message: Optional[str]) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def warn_before_run(target, drafter, prompt_tokens: int, block_size: Optional[int]) -> None:
+def warn_before_run(target, drafter, prompt_tokens: int, width: Optional[int]) -> None:
     """An over-long prompt, a block larger than the drafter's: the run goes on, with one line saying so."""
     args = getattr(target, "args", None)
     warn(prompt_length_warning(prompt_tokens, getattr(args, "max_position_embeddings", None)))
-    warn(block_size_warning(block_size, getattr(drafter, "block_size", None)))
+    warn(width_warning(width, getattr(drafter, "block_size", None)))
 
 
 class PrefillBar:

@@ -3,7 +3,7 @@
 - `check_safetensors(path)`: a 0-byte, truncated or garbled weights file, named, with the fix (MLX itself reports
   "Unable to read 8 bytes from file" without saying which file).
 - `check_model_dir(path)`: a target folder's config.json and weights files, before mlx-lm reads gigabytes.
-- `prompt_length_warning` / `block_size_warning`: runs that would go on, but not the way the user expects.
+- `prompt_length_warning` / `width_warning`: runs that would go on, but not the way the user expects.
 - `hub_failure(e)`: why a Hugging Face Hub download failed, in a few words (every download path words it alike).
 """
 
@@ -100,11 +100,11 @@ def prompt_length_warning(prompt_tokens: int, max_position_embeddings: Optional[
     return None
 
 
-def block_size_warning(requested: Optional[int], drafter_block: Optional[int]) -> Optional[str]:
-    """A warning when --block-size exceeds the block the drafter was trained for (extra slots are rarely kept)."""
+def width_warning(requested: Optional[int], drafter_block: Optional[int]) -> Optional[str]:
+    """A warning when --width exceeds the block the drafter was trained for (extra slots are rarely kept)."""
     if requested is not None and drafter_block and requested > drafter_block:
-        return (f"--block-size {requested} is larger than the drafter's trained block size {drafter_block}; "
-                f"drafts past position {drafter_block} are rarely accepted: use --block-size {drafter_block} or less")
+        return (f"--width {requested} is larger than the drafter's trained block size {drafter_block}; "
+                f"drafts past position {drafter_block} are rarely accepted: use --width {drafter_block} or less")
     return None
 
 

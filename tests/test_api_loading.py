@@ -67,7 +67,7 @@ def test_widths_are_chosen_by_default_and_reported(pair):
     _, (model, tokenizer, drafter) = pair
     ids = tokenizer.encode("Hello there")
     adaptive = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=12))
-    fixed = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=12, block_size=3))
+    fixed = list(api.stream_generate(model, tokenizer, ids, drafter, max_tokens=12, width=3))
     assert [r.token for r in adaptive] == [r.token for r in fixed]
     last = adaptive[-1]
     assert last.stats.adaptive and sum(last.widths.values()) == last.stats.cycles
@@ -76,7 +76,7 @@ def test_widths_are_chosen_by_default_and_reported(pair):
 
 
 @pytest.mark.parametrize("block_size, action", [(None, "falling back to plain decoding; verify widths used: 1 x "),
-                                                (4, "leave --block-size out")])
+                                                (4, "leave --width out")])
 def test_collapse_warning_says_what_the_engine_did(pair, caplog, block_size, action):
     _, (model, tokenizer, drafter) = pair  # the demo drafter has random weights: its drafts are never accepted
     # The adaptive policy runs on the nominal cost model, not the clock: on a loaded machine measured costs can
@@ -85,7 +85,7 @@ def test_collapse_warning_says_what_the_engine_did(pair, caplog, block_size, act
     width = WidthPolicy(drafter.block_size, cost=nominal_cost) if block_size is None else None
     with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
         responses = list(api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=80,
-                                             block_size=block_size, width=width, tree_budget=None))
+                                             width=block_size, planner=width, tree_budget=None))
     messages = [r.getMessage() for r in caplog.records if "acceptance collapsed" in r.getMessage()]
     assert len(messages) == 1 and action in messages[0], messages
     if block_size is None:

@@ -34,7 +34,7 @@ def report(pair, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--ar-draft", str(pair[0]), "--oracle",
                  "--prompts", str(prompts_file), "--num-prompts", "2", "--max-tokens", str(MAX_TOKENS),
-                 "--block-size", str(BLOCK), "--num-draft", "2", "--verify-prompts", "1", "--ignore-eos",
+                 "--widths", str(BLOCK), "--num-draft", "2", "--verify-prompts", "1", "--ignore-eos",
                  "--random-draft",
                  "--out", str(out)])
     assert code == 0
@@ -162,7 +162,7 @@ def test_bench_needs_something_to_compare(pair, capsys):
 
 def test_no_fixed_draft_and_profile_prompts(pair, prompts_file, tmp_path):
     code = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompts", str(prompts_file),
-                 "--num-prompts", "2", "--max-tokens", "6", "--block-size", str(BLOCK), "--no-fixed-draft",
+                 "--num-prompts", "2", "--max-tokens", "6", "--widths", str(BLOCK), "--no-fixed-draft",
                  "--profile-prompts", "1", "--verify-prompts", "0", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "bench.json").read_text())

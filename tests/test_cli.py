@@ -88,7 +88,7 @@ def _steered_load(monkeypatch, pair, prompt, max_tokens, spoil_every=3):
 def test_generate_prints_mlx_lm_greedy_text_with_accepted_drafts(pair, capsys, monkeypatch, block):
     expected = _steered_load(monkeypatch, pair, "Write a haiku", max_tokens=24)
     code, out, err = _run(capsys, "generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt",
-                          "Write a haiku", "--max-tokens", "24", "--block-size", block, "--verbose")
+                          "Write a haiku", "--max-tokens", "24", "--width", block, "--verbose")
     assert code == 0, err
     text, _, stats = out.partition("\n==========\n")
     assert text.strip() == expected.strip() and expected.strip()
@@ -98,7 +98,7 @@ def test_generate_prints_mlx_lm_greedy_text_with_accepted_drafts(pair, capsys, m
 
 def test_generate_block_size_one_equals_default(pair, capsys):
     args = ["generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt", "abc", "--max-tokens", "12"]
-    code, plain, _ = _run(capsys, *args, "--block-size", "1")
+    code, plain, _ = _run(capsys, *args, "--width", "1")
     assert code == 0
     code, drafted, _ = _run(capsys, *args)
     assert code == 0
@@ -155,8 +155,8 @@ def test_unknown_architecture(pair, tmp_path, capsys, model_type):
 
 def test_invalid_flags(pair, capsys):
     base = ["generate", "--model", str(pair[0]), "--draft", str(pair[1]), "--prompt", "x"]
-    code, _, err = _run(capsys, *base, "--block-size", "0")
-    _assert_one_line_error(code, err, "--block-size")
+    code, _, err = _run(capsys, *base, "--width", "0")
+    _assert_one_line_error(code, err, "--width")
     code, _, err = _run(capsys, *base, "--no-such-flag")
     _assert_one_line_error(code, err, "--no-such-flag")
     code, _, err = _run(capsys, *base, "--max-tokens", "0")

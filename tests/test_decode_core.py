@@ -2,7 +2,6 @@
 the batch and stays lossless; proposals are values; the planner built from a generation's options; the renamed
 arguments keep working under their old names."""
 
-import warnings
 
 import mlx.core as mx
 import pytest
@@ -124,23 +123,14 @@ def pair(tmp_path_factory):
     return api.load(str(target_dir), str(drafter_dir))
 
 
-def test_renamed_arguments_keep_their_old_names_with_a_warning(pair):
-    model, tokenizer, drafter = pair
-    run = lambda **kw: [r.token for r in api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=12, **kw)]  # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        now = run(width=3)
-    with pytest.warns(DeprecationWarning, match="width="):
-        assert run(block_size=3) == now
-    responses = list(api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=12, width=3))
-    assert all(r.block_size == r.width for r in responses) and {r.width for r in responses[1:]} <= {1, 2, 3}
-    target = api.prepare(model, drafter)
+def test_a_width_is_a_number_of_tokens(pair):
+    """A width policy is a planner argument: given as `width=` it is refused in one line that says where it goes."""
     from dflash_mlx.decode.width import WidthPolicy
+    from dflash_mlx.errors import DFlashError
 
-    with pytest.warns(DeprecationWarning, match="planner="):
-        old = Generation(target, drafter, [1, 2, 3], max_tokens=8, width_policy=WidthPolicy(4))
-    plain = Generation(target, drafter, [1, 2, 3], max_tokens=8, width=1)
-    assert [t for p in old for t in p.tokens] == [t for p in plain for t in p.tokens]
+    model, tokenizer, drafter = pair
+    with pytest.raises(DFlashError, match=r"width is the tokens verified per pass \(an int\); give a width policy"):
+        next(api.stream_generate(model, tokenizer, "hello", drafter, max_tokens=4, width=WidthPolicy(4)))
 
 
 def test_a_fixed_width_wins_over_a_planner_and_a_policy_is_a_planner_argument():

@@ -26,7 +26,7 @@ def bench_run(tmp_path_factory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     code = main(["bench", "-m", str(target), "-d", str(drafter), "--prompts", str(prompts), "--num-prompts", "2",
-                 "--max-tokens", str(MAX_TOKENS), "--block-size", str(BLOCK), "--no-profile",
+                 "--max-tokens", str(MAX_TOKENS), "--widths", str(BLOCK), "--no-profile",
                  "--verify-prompts", "0", "--out", str(root / "out")])
     assert code == 0
     return target, drafter, json.loads((root / "out" / "bench.json").read_text())

@@ -179,12 +179,12 @@ def test_max_tokens_takes_minus_one_or_a_positive_count(pair, capsys, value):
     check_max_tokens(1)
 
 
-def test_block_size_past_the_drafters_warns(pair, capsys):
+def test_width_past_the_drafters_block_warns(pair, capsys):
     code, out, err = _run(capsys, "generate", "-m", pair[0], "-d", pair[1], "-p", "hi", "--max-tokens", "3",
-                          "--block-size", "1000")
+                          "--width", "1000")
     assert code == 0, err
     line = _one_line(err, prefix="warning: ")
-    assert "--block-size 1000" in line and "block size 4" in line and "--block-size 4" in line
+    assert "--width 1000" in line and "block size 4" in line and "--width 4" in line
     assert out.strip()
 
 

@@ -42,7 +42,7 @@ def _cli_text(capsys, pair, *flags):
     target, drafter, _ = pair
     capsys.readouterr()
     code = main(["generate", "-m", str(target), "-d", str(drafter), "-p", PROMPT_TEXT, "--max-tokens",
-                 str(MAX_TOKENS), "--temp", "5", "--seed", "7", "--block-size", "2", *flags])
+                 str(MAX_TOKENS), "--temp", "5", "--seed", "7", "--width", "2", *flags])
     out, err = capsys.readouterr()
     assert code == 0, err
     return out.strip()

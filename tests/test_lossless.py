@@ -51,7 +51,7 @@ def test_random_drafter(kind, block):
         prompt = prompt_ids(n, seed=n)
         tokens, cycles = run_dflash(prompt, t, drafter, max_tokens=SHORT)
         _assert_lossless(kind, prompt, tokens, reference(kind, prompt, SHORT))
-        assert cycles[0].is_prefill and all(c.block_size <= block for c in cycles)
+        assert cycles[0].is_prefill and all(c.width <= block for c in cycles)
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -117,7 +117,7 @@ def test_max_tokens_exact(max_tokens, block):
     tokens, cycles = run_dflash(prompt, t, oracle, max_tokens=max_tokens)
     assert tokens == want
     # Full accepts: the last block is clamped to what is left, never verifying past max_tokens.
-    assert sum(c.block_size for c in cycles[1:]) == max_tokens - 1
+    assert sum(c.width for c in cycles[1:]) == max_tokens - 1
 
 
 def _stop_inside_block(kind, prompt, block, max_tokens=40):
@@ -144,7 +144,7 @@ def test_stop_token_inside_block(kind, block):
     tokens, cycles = run_dflash(prompt, t, drafter, max_tokens=40, stop_tokens=[stop], state=state)
     assert tokens == want
     last = cycles[-1]
-    assert last.tokens[-1] == stop and len(last.tokens) < last.block_size  # cut inside the block
+    assert last.tokens[-1] == stop and len(last.tokens) < last.width  # cut inside the block
     assert last.accepted >= len(last.tokens)  # the stop token was an accepted draft, not the bonus
     # Caches hold exactly the committed prefix (the stop token itself is not in the target cache).
     assert all(c.offset == len(prompt) + len(tokens) - 1 for c in state.target_cache)

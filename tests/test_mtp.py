@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
-from benchmarks.mtp_reference import DRAFTS, KINDS, MAX_TOKENS, PROMPT, save_checkpoint
+from benchmarks.mtp_reference import DRAFTS, KINDS, MAX_TOKENS, PROMPT, VOCAB, save_checkpoint
 from dflash_mlx.decode.acceptance import GreedyAcceptor, SamplingAcceptor
 from dflash_mlx.decode.generation import Generation
 from dflash_mlx.decode.planner import build_planner
@@ -281,3 +282,37 @@ def test_lookup_adaptive_widths_a_batch_and_a_second_turn_stay_lossless(pairs):
     second = [t for p in Generation(target, drafter, follow, max_tokens=15, width=4, state=state, lookup=False)
               for t in p.tokens]
     assert second == plain(model, PROMPT + first + follow, 15)
+
+
+class _NeverAccepted(MTPProposer):
+    """The MTP proposer with every draft replaced by a token the target never chooses here."""
+
+    def __init__(self, drafter, token):
+        super().__init__(drafter)
+        self.token = token
+
+    def propose(self, state, acceptor, width, offer):
+        proposal = super().propose(state, acceptor, width, offer)
+        wrong = mx.full(proposal.tokens.shape, self.token, dtype=mx.int32)
+        self._undo.tokens = wrong  # what observe and withdraw compare against
+        return replace(proposal, tokens=wrong)
+
+
+def test_the_collapse_warning_fires_for_mtp(pairs, caplog):
+    """The acceptance-collapse watch judges every drafting proposer, not only a DFlash drafter's blocks."""
+    import logging
+
+    folder, model, drafter, target = pairs["qwen3_5"]
+    expected = plain(model, PROMPT, MAX_TOKENS)
+    never = next(t for t in range(VOCAB) if t not in expected)
+    with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
+        gen = Generation(target, drafter, PROMPT, max_tokens=MAX_TOKENS, width=3, lookup=False,
+                         proposer=_NeverAccepted(drafter, never))
+        passes = list(gen)
+    assert [t for p in passes for t in p.tokens] == expected
+    drafted = [p for p in passes[1:] if p.width > 1]
+    assert len(drafted) >= 32 and all(p.source == "mtp" and p.accepted == 0 for p in drafted)
+    assert gen.stats.drafted_cycles == len(drafted)
+    messages = [r.getMessage() for r in caplog.records if "acceptance collapsed" in r.getMessage()]
+    assert len(messages) == 1 and "drafting is slower than plain decoding" in messages[0]
+    assert "own MTP layers" in messages[0] and "another fine-tune" not in messages[0]  # no separate drafter

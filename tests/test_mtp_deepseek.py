@@ -221,6 +221,6 @@ def test_load_and_the_command_line_with_draft_mtp(real_depth, capsys):
     out = []
     for block in ("1", "3"):
         assert main(["generate", "--model", str(real_depth), "--draft", "mtp", "-p", "hello", "--max-tokens", "12",
-                     "--ignore-chat-template", "--block-size", block]) == 0
+                     "--ignore-chat-template", "--width", block]) == 0
         out.append(capsys.readouterr().out)
     assert out[0] == out[1]

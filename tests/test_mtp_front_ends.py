@@ -55,10 +55,10 @@ def test_load_mtp_and_stream_generate_equal_plain_decoding(folder):
 
 def test_cli_generate_with_draft_mtp(folder, capsys):
     assert main(["generate", "--model", str(folder), "--draft", "mtp", "-p", "hello", "--max-tokens", "16",
-                 "--ignore-chat-template", "--block-size", "1"]) == 0
+                 "--ignore-chat-template", "--width", "1"]) == 0
     plain = capsys.readouterr().out
     assert main(["generate", "--model", str(folder), "--draft", "mtp", "-p", "hello", "--max-tokens", "16",
-                 "--ignore-chat-template", "--block-size", "3"]) == 0
+                 "--ignore-chat-template", "--width", "3"]) == 0
     assert capsys.readouterr().out == plain
 
 

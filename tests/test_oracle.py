@@ -32,10 +32,10 @@ def test_every_block_accepted_in_full(kind, block):
     assert cycles[0].is_prefill and cycles[0].tokens == tokens[:1]
     body = cycles[1:]
     for c in body[:-1]:
-        assert c.block_size == block and c.accepted + 1 == block and len(c.tokens) == block
+        assert c.width == block and c.accepted + 1 == block and len(c.tokens) == block
     last = body[-1]
     remaining = MAX_TOKENS - 1 - block * (len(body) - 1)
-    assert last.block_size == remaining == last.accepted + 1 == len(last.tokens)
+    assert last.width == remaining == last.accepted + 1 == len(last.tokens)
     assert len(body) == -(-(MAX_TOKENS - 1) // block)  # ceil: the fewest verify passes possible
 
 
@@ -44,7 +44,7 @@ def test_oracle_defaults_come_from_its_config():
     oracle, t = _oracle("qwen3", prompt, block=5)
     tokens, cycles = run_dflash(prompt, t, oracle, max_tokens=12)  # block size and mask id from the drafter
     assert tokens == reference("qwen3", prompt, 12)
-    assert [c.block_size for c in cycles] == [1, 5, 5, 1]
+    assert [c.width for c in cycles] == [1, 5, 5, 1]
 
 
 # -- stopping early ------------------------------------------------------------------------------------------

@@ -317,7 +317,7 @@ def test_lazy_weights_made_on_another_thread(pair):
 
 def test_plain_decoding_is_visible(pair):
     model, tokenizer, drafter = pair
-    running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL, block_size=1)))
+    running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name=MODEL, width=1)))
     try:
         client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "Hello"}]
@@ -326,6 +326,8 @@ def test_plain_decoding_is_visible(pair):
         assert stats["fallback"] is True and stats["drafted"] == 0
         assert stats["verify_widths"] == {"1": stats["cycles"]}
         assert r.choices[0].message.content == _reference(pair, _ids(tokenizer, messages), 8)
+        card = client.models.list().data[0].model_extra["dflash"]  # the fixed verify width, by its name
+        assert card["width"] == 1 and card["adaptive_width"] is False and "block_size" not in card
     finally:
         running.stop()
 

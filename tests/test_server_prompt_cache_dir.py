@@ -26,7 +26,8 @@ def _snapshot(model, n=12, seed=1):
     # Some target features still wait for the drafter (as after a verify pass): they must survive the round trip.
     state.last_token = tokens[-1]
     _, hidden = t(mx.array([[tokens[-1], 3, 4]], dtype=mx.int32), state.target_cache)
-    state.commit(hidden, 4)
+    state.add_context(hidden)
+    state.last_token = 4
     key = tokens + [3, 4]
     return key, Snapshot.take(state.target_cache, state.draft_cache, state.pending_context, len(key))
 

@@ -89,7 +89,7 @@ def test_shipped_drafter_fits_the_installed_target_and_is_lossless(default_pair)
 
 
 def test_generate_without_model_runs_the_default(default_pair, capsys):
-    code = main(["generate", "--prompt", "def add(a, b):", "--max-tokens", "8", "--block-size", "4", "--verbose"])
+    code = main(["generate", "--prompt", "def add(a, b):", "--max-tokens", "8", "--width", "4", "--verbose"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Acceptance: tau" in out and "tokens-per-sec" in out

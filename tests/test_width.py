@@ -169,7 +169,7 @@ def test_changing_width_is_lossless_greedy(kind, seq):
     width = Scheduled(WIDTH_SEQUENCES[seq])
     tokens, cycles = tiny.run_dflash(prompt, t, drafter, max_tokens=20, planner=width)
     assert tokens == tiny.reference(kind, prompt, 20)
-    widths = [c.block_size for c in cycles[1:]]
+    widths = [c.width for c in cycles[1:]]
     assert len(set(widths)) > 1 and widths == [w for w, _ in width.recorded]
 
 

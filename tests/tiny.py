@@ -20,7 +20,8 @@ from mlx_lm.utils import _get_classes
 
 from dflash_mlx.drafters.config import DFlashConfig
 from dflash_mlx.drafters.dflash import DFlashDrafter, TargetBinding
-from dflash_mlx.decode.loop import Cycle, dflash_generate_step
+from dflash_mlx.decode.loop import dflash_generate_step
+from dflash_mlx.decode.step import Pass
 from dflash_mlx.decode.state import DecodeState
 from dflash_mlx.drafters.oracle import OracleDrafter
 from dflash_mlx.targets import TargetModel
@@ -175,10 +176,10 @@ def run_dflash(
     *,
     stop_after: Optional[int] = None,
     **kwargs,
-) -> Tuple[List[int], List[Cycle]]:
+) -> Tuple[List[int], List[Pass]]:
     """Run `dflash_generate_step`; return all committed tokens and the cycles. `stop_after` closes it early."""
     tokens: List[int] = []
-    cycles: List[Cycle] = []
+    cycles: List[Pass] = []
     gen = dflash_generate_step(mx.array(list(prompt), dtype=mx.int32), t, drafter, **kwargs)
     for cycle in gen:
         cycles.append(cycle)

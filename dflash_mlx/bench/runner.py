@@ -65,7 +65,7 @@ class BenchConfig:
         if self.num_prompts is not None and self.num_prompts < 1:
             raise DFlashError(f"--num-prompts must be positive, got {self.num_prompts}")
         if any(b < 1 for b in self.block_sizes) or any(k < 1 for k in self.num_draft_tokens):
-            raise DFlashError("--block-size and --num-draft values must be positive")
+            raise DFlashError("--widths and --num-draft values must be positive")
         if not self.temp >= 0:
             raise DFlashError(f"--temp must be >= 0, got {self.temp}")
         # Prompt i runs with seed + i: the last one must still be a seed MLX takes.

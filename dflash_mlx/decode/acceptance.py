@@ -6,7 +6,8 @@ drawn from) and turns the verify of that proposal into `(acc, fix)`: `acc` draft
 `fix[acc]` is read, and the sampling acceptor draws just that one token (it fills every slot of `fix` with it).
 Everything stays on the device so a pass needs a single host sync. Greedy is the fast special case; `SamplingAcceptor` is lossless
 rejection sampling (docs/acceptance.md); `MatchAcceptor` runs an opaque mlx-lm sampler. `make_acceptor` picks
-the rule for mlx-lm's sampling options.
+the rule for mlx-lm's sampling options, and `reproducible` says, for every part of the engine that asks, whether
+a run must follow from its seed alone.
 
 Protocol (all arrays lazy):
     observe(tokens)                      tokens the target has now seen: the prompt, then each cycle's commits
@@ -15,8 +16,13 @@ Protocol (all arrays lazy):
     propose_walk(walk, anchor) -> Proposal      drafts whose row i depends on draft i-1 (see `DraftWalk`)
     propose_tokens(draft [B-1]) -> Proposal     drafts fixed in advance (copied from the context): a point-mass
                                          proposal q = one-hot(draft[i]), accepted with probability p(draft[i])
-    verify(proposal, target_logits [B, V]) -> (acc, fix [B])
+    draft_distribution(draft_logits) -> log q   what drafts are ranked by when a tree picks its nodes
+    verify(proposal, target_logits [B, V]) -> (acc, fix [B])            a chain
+    verify(tree, target_logits [n+1, V]) -> (acc, path [Dmax], fix)      a `proposal.TreeProposal`: the path of
+                                         accepted block slots (0 past acc) and the token after it
 Row i of the target's logits predicts the token after block[i], so draft[i] (block slot i+1) is judged by row i.
+A tree is judged by the same rule node by node (`tree`: a node's children stand where a chain's next draft
+stands); each acceptor takes both shapes through its one `verify`.
 The proposal is a value (`proposal.Proposal`): cutting it (`Proposal.cut`) cuts its rows with it, and `verify`
 divides by the rows it carries, never by state kept from an earlier call.
 """
@@ -29,7 +35,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from ..errors import DFlashError
-from .proposal import Proposal
+from . import tree as trees
+from .proposal import Proposal, TreeProposal
 from .sampling import LogitsProcessor, SamplingParams, check_seed, log_distribution, process_rows
 
 
@@ -55,6 +62,11 @@ def _walk(walk: DraftWalk, anchor, choose: Callable[[int, mx.array, mx.array], m
     return draft
 
 
+def _log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 class Acceptor(Protocol):
     """The acceptance rule the pass step runs; see the protocol in the module docstring."""
 
@@ -68,7 +80,9 @@ class Acceptor(Protocol):
 
     def propose_tokens(self, draft: mx.array) -> Proposal: ...
 
-    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]: ...
+    def draft_distribution(self, draft_logits: mx.array) -> mx.array: ...
+
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, ...]: ...
 
 
 class GreedyAcceptor:
@@ -93,10 +107,16 @@ class GreedyAcceptor:
         """Fixed drafts [n] (copied from the context): kept while they equal the target's argmax."""
         return Proposal(draft, point_mass=True)
 
-    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
-        """A proposal of B-1 drafts, target_logits [B, V] -> (acc scalar, fix [B])."""
+    def draft_distribution(self, draft_logits: mx.array) -> mx.array:
+        """The log-distribution over [..., V] drafts are ranked by (a tree's nodes): the log-softmax."""
+        return _log_softmax(draft_logits)
+
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, ...]:
+        """A proposal of B-1 drafts, target_logits [B, V] -> (acc scalar, fix [B]); a tree -> (acc, path, fix)."""
         draft = proposal.tokens
         choice = mx.argmax(target_logits, axis=-1).astype(mx.int32)
+        if isinstance(proposal, TreeProposal):
+            return trees.matched(proposal, trees.children(proposal, target_logits), choice)
         if draft.size == 0:
             return mx.array(0, dtype=mx.int32), choice
         # acc = length of the longest prefix of drafts equal to the target's own choices.
@@ -126,6 +146,19 @@ class _History:
         history = mx.concatenate([self.history, prefix.astype(mx.int32)])
         return process_rows(self.processors, history, row, mx.zeros((0,), dtype=mx.int32))
 
+    def _tree_rows(self, tree: TreeProposal, target_logits: mx.array) -> mx.array:
+        """The target's logits at every node of a tree, each through the processors after the node's own path."""
+        if not self.processors:
+            return target_logits
+        if target_logits.ndim != 2:
+            raise ValueError("logits processors take one tree at a time (no batch dimensions)")
+        rows = []
+        for slot, path in enumerate(trees.paths(tree)):
+            prefix = mx.take(tree.tokens, mx.array([s - 1 for s in path], dtype=mx.int32)) if path else \
+                mx.zeros((0,), dtype=mx.int32)
+            rows.append(self._process_after(target_logits[slot : slot + 1], prefix))
+        return mx.concatenate(rows, axis=0)
+
 
 class SamplingAcceptor(_History):
     """Lossless speculative sampling (Leviathan et al.) with mlx-lm's sampling options.
@@ -144,6 +177,7 @@ class SamplingAcceptor(_History):
                  seed: Optional[int] = None):
         super().__init__(logits_processors)
         self.params = params
+        self.seeded = seed is not None  # the caller's seed: the output must follow from it alone (`reproducible`)
         if seed is None:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         self._key = mx.random.key(int(seed))
@@ -196,6 +230,10 @@ class SamplingAcceptor(_History):
         at a rejection draws from p with draft i removed (normalize(max(p - one-hot, 0))): exact sampling."""
         return Proposal(draft, point_mass=True)  # verify builds the one-hot log q once it knows the vocabulary
 
+    def draft_distribution(self, draft_logits: mx.array) -> mx.array:
+        """The distribution drafts are drawn from: the drafter's logits through the target's filters and temperature."""
+        return log_distribution(draft_logits, self.params)
+
     @staticmethod
     def _logq(proposal: Proposal, vocab_size: int) -> mx.array:
         if proposal.point_mass and proposal.logq is None:
@@ -203,7 +241,9 @@ class SamplingAcceptor(_History):
             return mx.where(vocab == proposal.tokens[..., None], 0.0, -mx.inf).astype(mx.float32)
         return proposal.logq
 
-    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, ...]:
+        if isinstance(proposal, TreeProposal):
+            return self._verify_tree(proposal, target_logits)
         draft = proposal.tokens
         logp = log_distribution(self._process(target_logits, draft) if self.processors else target_logits,
                                 self.params)  # [..., B, V]
@@ -230,6 +270,18 @@ class SamplingAcceptor(_History):
         token = self._draw(self._fix_distribution(logp_row, logq_row), key_fix)
         return acc, mx.broadcast_to(token[..., None], token.shape + (logp.shape[-2],))
 
+    def _verify_tree(self, tree: TreeProposal, target_logits: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+        """Multi-draft rejection sampling at every node (`tree.sampled`); greedy on the processed logits
+        at temperature 0."""
+        kids = trees.children(tree, target_logits)
+        rows = self._tree_rows(tree, target_logits)
+        key_accept, key_fix = self._keys(2)
+        logp = log_distribution(rows, self.params)
+        if self.params.greedy:
+            return trees.matched(tree, kids, mx.argmax(logp, axis=-1).astype(mx.int32))
+        kept, choice = trees.sampled(logp, tree, kids, key_accept, key_fix)
+        return trees.walk(kept, choice, tree.depths)
+
     @staticmethod
     def _fix_distribution(logp_row: mx.array, logq_row: mx.array) -> mx.array:
         """log normalize(max(p - q, 0)) (unnormalized: categorical normalizes). It is empty only when p == q,
@@ -247,9 +299,11 @@ class MatchAcceptor(_History):
     global generator (`mx.random.seed`). Without logits processors, leading batch dimensions are accepted.
     """
 
-    def __init__(self, sampler: Callable[[mx.array], mx.array], logits_processors: Sequence[LogitsProcessor] = ()):
+    def __init__(self, sampler: Callable[[mx.array], mx.array], logits_processors: Sequence[LogitsProcessor] = (),
+                 seeded: bool = False):
         super().__init__(logits_processors)
         self.sampler = sampler
+        self.seeded = seeded  # MLX's global generator was seeded for this run (`make_acceptor(seed=)`)
 
     def _sample(self, logits: mx.array) -> mx.array:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -276,13 +330,27 @@ class MatchAcceptor(_History):
         """Fixed drafts [n]: kept while the target's own samples equal them."""
         return Proposal(draft, point_mass=True)
 
-    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, mx.array]:
+    def draft_distribution(self, draft_logits: mx.array) -> mx.array:
+        """The log-softmax: an opaque sampler has no distribution to rank by."""
+        return _log_softmax(draft_logits)
+
+    def verify(self, proposal: Proposal, target_logits: mx.array) -> Tuple[mx.array, ...]:
+        if isinstance(proposal, TreeProposal):  # sample every node, follow the child equal to its sample
+            kids = trees.children(proposal, target_logits)
+            return trees.matched(proposal, kids, self._sample(self._tree_rows(proposal, target_logits)))
         draft = proposal.tokens
         choice = self._sample(self._process(target_logits, draft) if self.processors else target_logits)
         if draft.shape[-1] == 0:
             return mx.zeros(draft.shape[:-1], dtype=mx.int32), choice
         acc = mx.cumprod((draft == choice[..., :-1]).astype(mx.int32), axis=-1).sum(axis=-1)
         return acc.astype(mx.int32), choice
+
+
+def reproducible(acceptor) -> bool:
+    """Whether a run with this acceptor must give the same output for the same seed: a sampling rule given a seed.
+    Then nothing it draws may depend on the clock: verify widths and tree budgets are chosen from acceptance and a
+    fixed cost model, not from measured seconds. (Greedy output is the target's own whatever the widths.)"""
+    return bool(getattr(acceptor, "seeded", False))
 
 
 def make_acceptor(
@@ -324,7 +392,7 @@ def make_acceptor(
             raise DFlashError("give either sampler= or temp/top_p/top_k/min_p, not both")
         if seed is not None:
             mx.random.seed(seed)  # an opaque sampler draws from MLX's global generator
-        return MatchAcceptor(sampler, processors)
+        return MatchAcceptor(sampler, processors, seeded=seed is not None)
     if params.greedy and not processors:
         return GreedyAcceptor()
     return SamplingAcceptor(params, processors, seed=seed)

@@ -101,14 +101,13 @@ class Batch:
                       stop_tokens: Sequence[int] = (), prefill_step_size: int = 2048,
                       state: Optional[DecodeState] = None, acceptor: Optional[Acceptor] = None,
                       prefill_progress: Optional[Callable[[int, int], None]] = None,
-                      lookup: Optional[LookupIndex] = None, block_size: Optional[int] = None,
+                      lookup: Optional[LookupIndex] = None,
                       proposer: Optional[Proposer] = None) -> Generator[Pass, None, None]:
         """`loop.dflash_generate_step` for a member of this batch: the same passes, and the same arguments but
-        for the deprecated `sources=` (a planner carries its choice) and the profiler (one pass is many
-        generations' work)."""
+        for `sources=` (a planner carries its choice) and the profiler (one pass is many generations' work)."""
         target, drafter = self.target, self.drafter
         drafting = drafting_proposer(drafter, proposer, mask_token_id)
-        planner = planner_for(drafting, width=width, planner=planner, block_size=block_size)
+        planner = planner_for(drafting, width=width, planner=planner)
         check_ready(drafting, planner)
         state = state or DecodeState.fresh(target, drafter)
         index = lookup if planner.choice is not None else None

@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..errors import DFlashError
-from .acceptance import Acceptor, GreedyAcceptor, make_acceptor
+from .acceptance import Acceptor, make_acceptor, reproducible
 from .lookup import LookupIndex
 from .memory import PlannerMemory
 from .loop import dflash_generate_step
 from .planner import Planner, build_planner, tree_chooser, with_trees
+from .proposers.mtp import MTP
 from .sources import SourceChoice
 from .state import DecodeState
 from .stats import AcceptanceStats, CollapseWatch
@@ -64,7 +64,6 @@ class Generation:
             alone). Only with a chosen width (no `width`, no `planner`). lookup_width: widest lookup pass.
         proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
         prefill_step_size, prefill_progress, mask_token_id, profiler: as `loop.dflash_generate_step` takes them.
-        width_policy: deprecated name of `planner`.
         tree_budget: drafting passes verify a DDTree of up to this many drafted nodes in one target pass (an int),
             or the planner chooses chain or budget by measured speed ("auto"); None: chains.
         memory: a `memory.PlannerMemory`: the planner starts from what earlier generations measured and leaves
@@ -78,13 +77,10 @@ class Generation:
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
                  prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
-                 lookup_width: int = 32, proposer=None, width_policy=None, tree_budget=None,
+                 lookup_width: int = 32, proposer=None, tree_budget=None,
                  memory: Optional[PlannerMemory] = None, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
-        if width_policy is not None:
-            warnings.warn("width_policy= is deprecated: pass planner=", DeprecationWarning, stacklevel=2)
-            planner = planner or width_policy
         if acceptor is None:
             acceptor = _acceptor(sampling)
         elif sampling:
@@ -101,18 +97,18 @@ class Generation:
         # A fixed tree budget drafts every pass however little is accepted (like a fixed width).
         self.adaptive = (drafting or use_lookup) and width is None and not isinstance(tree_budget, int)
         # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
-        reproducible = sampling.get("seed") is not None and not isinstance(acceptor, GreedyAcceptor)
+        seeded = reproducible(acceptor)
         if width is not None:
             planner = None  # a fixed width wins over any planner
         elif planner is not None and not isinstance(planner, Planner):
             planner = build_planner(drafting=self.proposer, policy=planner)
         self.planner: Planner = planner or build_planner(
             drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
-            reproducible=reproducible, shared=self._shared_planner, tree_budget=tree_budget)
+            reproducible=seeded, shared=self._shared_planner, tree_budget=tree_budget)
         if self.planner.trees is None:  # a planner of the caller's
-            with_trees(self.planner, tree_chooser(tree_budget, reproducible))
+            with_trees(self.planner, tree_chooser(tree_budget, seeded))
         # Seeded sampling must follow from its seed alone: it neither starts from nor leaves measurements.
-        self.memory = memory if not reproducible else None
+        self.memory = memory if not seeded else None
         if self.memory is not None:
             self.memory.seed(self.planner)
         self.sources: Optional[SourceChoice] = self.planner.choice
@@ -120,7 +116,8 @@ class Generation:
         self.stats = AcceptanceStats(adaptive=self.adaptive)
         # A drafter we picked for this target by name is known to fit it; any other may be made for another one.
         made_for = getattr(drafter, "made_for", None)
-        self.watch = (CollapseWatch(made_for=made_for, fixed_trees=isinstance(tree_budget, int))
+        own_layers = self.proposer is not None and self.proposer.name == MTP
+        self.watch = (CollapseWatch(made_for=made_for, fixed_trees=isinstance(tree_budget, int), own_layers=own_layers)
                       if warn_collapse else None)
         self.collapse_warning: Optional[str] = None
         self._warned = False

@@ -23,7 +23,7 @@ from typing import Callable, Generator, Optional, Sequence
 import mlx.core as mx
 
 from ..targets import TargetModel
-from .acceptance import Acceptor, GreedyAcceptor, SamplingAcceptor
+from .acceptance import Acceptor, GreedyAcceptor, reproducible
 from .lookup import LookupIndex
 from .planner import Planner, planner_for
 from .proposers import Proposer
@@ -32,16 +32,13 @@ from .sources import SourceChoice
 from .state import DecodeState
 from .step import Decoder, Launch, Pass, check_ready, drafting_proposer, proposers_for
 
-Cycle = Pass  # deprecated name of the per-pass result
-
-
 def dflash_generate_step(
     prompt: mx.array,
     target: TargetModel,
     drafter: Optional[Drafter] = None,
     *,
     max_tokens: int = 256,
-    width=None,
+    width: Optional[int] = None,
     planner: Optional[Planner] = None,
     mask_token_id: Optional[int] = None,
     stop_tokens: Sequence[int] = (),
@@ -52,7 +49,6 @@ def dflash_generate_step(
     profiler=None,
     lookup: Optional[LookupIndex] = None,
     sources: Optional[SourceChoice] = None,
-    block_size: Optional[int] = None,
     proposer: Optional[Proposer] = None,
     tree_budget=None,
 ) -> Generator[Pass, None, None]:
@@ -64,7 +60,7 @@ def dflash_generate_step(
         drafter: a bound drafter (see `proposers.dflash.Drafter`); `None` means plain decoding through the same code.
         max_tokens: tokens to generate at most (-1: no limit).
         width: tokens verified per pass (1 = plain decoding); defaults to the drafter's block unless a `planner`
-            is given. (A width policy object here is the deprecated form of `planner`.)
+            is given.
         planner: chooses each pass's proposer and width (`planner.Planner`, `planner.build_planner`).
         mask_token_id: the drafter's mask id; defaults to `drafter.mask_token_id`.
         stop_tokens: generation stops after the first of these is committed.
@@ -76,7 +72,6 @@ def dflash_generate_step(
         profiler: for benchmarks only: an object whose `mark(phase, *arrays)` is called at the end of each phase
             ("prefill", then per pass "host", "draft", "verify", "host", "rollback") with the arrays to evaluate
             there; the extra syncs slow decoding (see `bench.methods.PhaseProfiler`).
-        block_size: deprecated name of `width`.
         proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
         tree_budget: drafting passes verify a DDTree of up to this many drafted nodes, in one target pass (an int),
             or the planner chooses chain or budget by measured speed ("auto"); None: chains.
@@ -85,9 +80,9 @@ def dflash_generate_step(
         Pass: the tokens each verify pass commits, in order.
     """
     drafting = drafting_proposer(drafter, proposer, mask_token_id)
-    plan = planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
+    plan = planner_for(drafting, width=width, planner=planner, sources=sources,
                        lookup=lookup, tree_budget=tree_budget,
-                       reproducible=isinstance(acceptor, SamplingAcceptor))  # sampled: budgets by acceptance
+                       reproducible=reproducible(acceptor))  # a seeded run: budgets by acceptance
     check_ready(drafting, plan)
     state = state or DecodeState.fresh(target, drafter)
     decoder = Decoder(target, drafter, proposers_for(drafting, lookup if plan.choice is not None else None), plan,

@@ -20,7 +20,6 @@ alone gets machine-independent costs (`width.nominal_cost`); then the installed 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence, Union
 
@@ -230,36 +229,26 @@ def pace(widths: Width, model: Optional[WidthPolicy]):
     return paced, (model if paced is widths else None)
 
 
-def renamed_width_args(width, planner, block_size: Optional[int], caller: str, stacklevel: int = 4):
-    """(width, planner) from arguments in their current and deprecated spellings: `block_size=N` for `width=N`,
-    and a width policy object given as `width` for `planner` (each with a DeprecationWarning)."""
-    if block_size is not None:
-        warnings.warn(f"{caller}(block_size=) is deprecated: use width=", DeprecationWarning, stacklevel=stacklevel)
-        if width is not None and not isinstance(width, int):
-            planner = planner or width
-        width = block_size
-    elif width is not None and not isinstance(width, int):
-        warnings.warn(f"{caller}(width=<policy>) is deprecated: use planner=", DeprecationWarning,
-                      stacklevel=stacklevel)
-        width, planner = None, planner or width
-    return width, planner
+def check_width(width, caller: str) -> None:
+    """Refuse a `width` that is not a number of tokens (a width policy goes to `planner=`)."""
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int)):
+        raise DFlashError(f"{caller}(width={width!r}): width is the tokens verified per pass (an int); "
+                          "give a width policy or planner as planner=")
 
 
-def planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,
-                sources: Optional[SourceChoice] = None, lookup=None, tree_budget=None,
-                reproducible: bool = False) -> Planner:
+def planner_for(drafting, *, width: Optional[int] = None, planner=None, sources: Optional[SourceChoice] = None,
+                lookup=None, tree_budget=None, reproducible: bool = False) -> Planner:
     """`_planner_for` with draft trees on where `tree_budget` says (see `build_planner`)."""
     trees = tree_chooser(tree_budget, reproducible)  # a bad value is refused first, whatever else is given
-    return with_trees(_planner_for(drafting, width=width, planner=planner, block_size=block_size, sources=sources,
-                                   lookup=lookup), trees)
+    return with_trees(_planner_for(drafting, width=width, planner=planner, sources=sources, lookup=lookup), trees)
 
 
-def _planner_for(drafting, *, width=None, planner=None, block_size: Optional[int] = None,
-                 sources: Optional[SourceChoice] = None, lookup=None) -> Planner:
+def _planner_for(drafting, *, width: Optional[int] = None, planner=None, sources: Optional[SourceChoice] = None,
+                 lookup=None) -> Planner:
     """The planner for the loop's and the batch's arguments (`drafting`: the proposer of passes wider than 1, or
-    None), the deprecated ones included: `block_size=N` (now `width=N`), a width policy object as `width=` (now
-    `planner=`), a `sources` choice with its `lookup` index. A fixed width wins over any planner or policy."""
-    width, planner = renamed_width_args(width, planner, block_size, "dflash_generate_step", stacklevel=5)
+    None): a fixed `width`, a ready `planner` or a width policy object there, or a `sources` choice with its
+    `lookup` index. A fixed width wins over any planner or policy."""
+    check_width(width, "dflash_generate_step")
     if width is not None:
         return build_planner(drafting=drafting, width=width)
     if isinstance(planner, Planner):

@@ -17,7 +17,14 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"  # the proposers the package ships, by name
+# Proposers by name: the DFlash family's drafter, prompt lookup, none (the MTP proposer names itself "mtp").
+DFLASH, LOOKUP, PLAIN = "dflash", "lookup", "plain"
+
+
+def is_drafted(source: str) -> bool:
+    """Whether a pass from `source` was drafted by a drafting proposer (a DFlash drafter's block, a target's MTP
+    layers, any proposer a caller plugs in), rather than copied from the context (lookup) or not drafted (plain)."""
+    return source not in (LOOKUP, PLAIN)
 
 
 @dataclass

@@ -44,11 +44,6 @@ class DecodeState:
             waiting = self.pending_context
             self.pending_context = waiting[:, :-n] if waiting.shape[1] > n else None
 
-    def commit(self, features: Optional[mx.array], last_token: int) -> None:
-        """Record a pass's committed tokens: their features wait for the next draft; `last_token` is the newest."""
-        self.add_context(features)
-        self.last_token = last_token
-
     def flush_context(self, drafter) -> Optional[mx.array]:
         """Hand the waiting features to the draft cache; returns them (None if there were none)."""
         context, self.pending_context = self.pending_context, None

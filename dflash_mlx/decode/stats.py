@@ -1,11 +1,13 @@
-"""Acceptance statistics of a DFlash run: τ (mean tokens committed per verify pass), its histogram, the verify
-widths used, the passes and tokens of each draft source (DFlash drafter, lookup copies, none), and the warning when
-the drafter's acceptance collapses."""
+"""Acceptance statistics of a run: τ (mean tokens committed per verify pass), its histogram, the verify widths
+used, the passes and tokens of each draft source (the drafting proposer: a DFlash drafter, a target's MTP layers;
+lookup copies; none), and the warning when the drafting proposer's acceptance collapses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from .proposal import DFLASH, PLAIN, is_drafted
 
 
 @dataclass
@@ -17,14 +19,15 @@ class AcceptanceStats:
     max_block: int = 0
     histogram: Dict[int, int] = field(default_factory=dict)  # tokens committed per cycle (acc + 1) -> count
     widths: Dict[int, int] = field(default_factory=dict)  # verify width -> cycles
-    drafted_cycles: int = 0  # cycles of width > 1 drafted by the drafter
+    drafted_cycles: int = 0  # cycles of width > 1 drafted by a drafting proposer (not lookup)
     drafted_accepted: int = 0  # drafts accepted in those cycles
     adaptive: bool = False
     sources: Dict[str, List[int]] = field(default_factory=dict)  # source -> [passes, tokens committed]
 
     def record(self, accepted: int, width: int, source: Optional[str] = None) -> None:
-        """One verify pass; `source` is "dflash", "lookup" or "plain" (default: by its width)."""
-        source = source or ("dflash" if width > 1 else "plain")
+        """One verify pass; `source` is its proposer's name: "dflash", "mtp", "lookup", "plain", a caller's own
+        (default: by its width, a DFlash drafter's block or plain decoding)."""
+        source = source or (DFLASH if width > 1 else PLAIN)
         counts = self.sources.setdefault(source, [0, 0])
         counts[0] += 1
         counts[1] += accepted + 1
@@ -34,7 +37,7 @@ class AcceptanceStats:
         self.max_block = max(self.max_block, width)
         self.histogram[length] = self.histogram.get(length, 0) + 1
         self.widths[width] = self.widths.get(width, 0) + 1
-        if width > 1 and source == "dflash":  # the collapse watch judges the drafter alone
+        if width > 1 and is_drafted(source):  # the collapse watch judges the drafting proposer alone
             self.drafted_cycles += 1
             self.drafted_accepted += accepted
 
@@ -85,11 +88,12 @@ class CollapseWatch:
     """
 
     def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25, made_for: Optional[str] = None,
-                 fixed_trees: bool = False):
+                 fixed_trees: bool = False, own_layers: bool = False):
         self.fixed_trees = fixed_trees  # a fixed tree budget, not a fixed width, keeps every drafting pass wide
         self.min_cycles = min_cycles
         self.max_accepted = max_accepted
         self.made_for = made_for  # the target the drafter was published for, when it was picked by that name
+        self.own_layers = own_layers  # the drafts come from the target's own MTP layers, not a separate drafter
         self.fired = False
 
     def check(self, stats: AcceptanceStats):
@@ -98,14 +102,17 @@ class CollapseWatch:
             return None
         self.fired = True
         if self.fixed_trees:
-            action = (f"every drafting pass is a tree ({stats.format_widths()}), so DFlash is slower than plain "
+            action = (f"every drafting pass is a tree ({stats.format_widths()}), so drafting is slower than plain "
                       "decoding here; use --tree-budget auto (the default) or off to let the engine fall back")
         elif stats.adaptive:
             action = f"falling back to plain decoding; verify widths used: {stats.format_widths()}"
         else:
-            action = (f"the width is fixed ({stats.format_widths()}), so DFlash is slower than plain decoding "
-                      "here; leave --block-size out to let the engine fall back to plain decoding")
-        if self.made_for:
+            action = (f"the width is fixed ({stats.format_widths()}), so drafting is slower than plain decoding "
+                      "here; leave --width out to let the engine fall back to plain decoding")
+        if self.own_layers:
+            causes = ("the target's own MTP layers predict it poorly on this kind of prompt (or the checkpoint's "
+                      "MTP layers were not trained along with its other weights, as after a fine-tune)")
+        elif self.made_for:
             # The pair was checked and the drafter is the one made for this target: the prompt is the variable.
             causes = (f"the drafter made for {self.made_for} predicts it poorly on this kind of prompt (it is weak "
                       "on text unlike its training data)")

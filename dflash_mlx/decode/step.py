@@ -35,13 +35,12 @@ from .budget import FixedBudget
 from .lookup import LookupIndex
 from .planner import Planner
 from .proposal import LOOKUP, PLAIN, Proposal, TreeProposal
-from .proposers import Proposer
+from .proposers import Proposer, as_proposer
 from .proposers.dflash import DFlashProposer
 from .proposers.lookup import LookupProposer
 from .proposers.mtp import MTP, MTPProposer
 from .proposers.plain import PlainProposer
 from .state import DecodeState, prefill
-from .tree import verify_tree
 
 CLEAR_CACHE_EVERY = 256  # passes between releases of MLX's buffer cache, as mlx-lm's decode loop does
 
@@ -55,18 +54,13 @@ class Pass:
     width: int  # tokens the pass verified (1: a plain decoding step; 1 for the prefill's token)
     logits: Optional[mx.array] = None  # [len(tokens), V] the target logits that chose each token (lazy)
     is_prefill: bool = False
-    source: str = PLAIN  # the proposer of its drafts: "dflash", "lookup" or "plain" (no drafts)
+    source: str = PLAIN  # its proposer's name: "dflash", "mtp", "lookup", a caller's own, or "plain" (no drafts)
     segments: List[str] = field(default_factory=list)  # text each token added (filled by `Generation`)
     finish_reason: Optional[str] = None  # "stop", "length" or None (filled by `Generation`)
 
     @property
     def text(self) -> str:
         return "".join(self.segments)
-
-    @property
-    def block_size(self) -> int:
-        """Deprecated: the pass's verify width under its earlier name (the drafter's block is another thing)."""
-        return self.width
 
 
 @dataclass
@@ -177,7 +171,8 @@ class Decoder:
     def __init__(self, target: TargetModel, drafter, proposers: Dict[str, Proposer], planner: Planner,
                  acceptor: Acceptor, state: DecodeState, *, max_tokens: Optional[int], stops: Sequence[int] = (),
                  mark: Optional[Callable] = None, clears_cache: bool = True):
-        self.target, self.drafter, self.proposers, self.planner = target, drafter, proposers, planner
+        self.target, self.drafter, self.planner = target, drafter, planner
+        self.proposers = {name: as_proposer(p) for name, p in proposers.items()}
         self.acceptor, self.state = acceptor, state
         self.limit = float("inf") if max_tokens is None or max_tokens < 0 else max_tokens
         self.stops = set(int(t) for t in stops)
@@ -234,9 +229,8 @@ class Decoder:
         with mx.stream(generation_stream):
             proposal = None
             if plan.budget is not None:  # a tree as deep as the proposer drafts
-                grow = getattr(proposer, "propose_tree", None)
-                proposal = grow(self.state, self.acceptor, min(plan.width, proposer.widest), plan.budget,
-                                plan.offer) if grow is not None else None
+                proposal = proposer.propose_tree(self.state, self.acceptor, min(plan.width, proposer.widest),
+                                                 plan.budget, plan.offer)
                 if proposal is None:  # this proposer cannot grow trees (for good): chains from now on
                     self.planner.trees = None
                 self.budget = plan.budget if isinstance(proposal, TreeProposal) else None
@@ -280,7 +274,7 @@ class Decoder:
         [acc, choice..., drafts...]; a tree's [acc, token after the path, path slots..., drafts...]."""
         with mx.stream(generation_stream):
             if isinstance(proposal, TreeProposal):
-                acc, path, fix = verify_tree(self.acceptor, proposal, logits)
+                acc, path, fix = self.acceptor.verify(proposal, logits)
                 packed = mx.concatenate([acc.reshape(1).astype(mx.int32), fix.reshape(1).astype(mx.int32),
                                          path.astype(mx.int32), proposal.tokens.astype(mx.int32)])
             else:
@@ -343,7 +337,6 @@ class Decoder:
         self.target.rollback(self.state.target_cache, launch.kept)
         self.proposers[launch.proposal.source].withdraw(self.state, launch.proposal)
         for name, proposer in self.proposers.items():  # the others observed the pass: they forget it
-            unobserve = getattr(proposer, "unobserve", None)
-            if name != launch.proposal.source and unobserve is not None:
-                unobserve(self.state, launch.kept)
+            if name != launch.proposal.source:
+                proposer.unobserve(self.state, launch.kept)
         self.state.last_token = launch.previous_token

@@ -1,5 +1,5 @@
-"""Draft trees: DDTree construction from a block drafter's per-depth distributions, prompt lookup with branches,
-and the exact verification of a tree of drafts after one target pass.
+"""Draft trees: DDTree construction from a block drafter's per-depth distributions and prompt lookup with
+branches, each a `proposal.TreeProposal` that one target pass verifies.
 
 A block drafter gives, in one forward pass, a distribution q_d over the token at every depth d. A chain bets on
 one token per depth; DDTree spends a node budget on the prefixes most likely under the factorized q = prod q_d
@@ -7,8 +7,9 @@ one token per depth; DDTree spends a node budget on the prefixes most likely und
 guess at some depth is wrong a sibling may still be right. Prompt lookup gains branches the same way: the tokens
 that followed several earlier occurrences of the newest suffix, merged into a trie.
 
-`verify_tree` decides, from the target's logits at every node (row i predicts the token after block slot i), which
-path of the tree is kept and the target's token after it:
+A tree is verified as a chain is, by the acceptor's one `verify` (`verify_tree` is that call, named for the tree);
+the steps it takes at the nodes live here. From the target's logits at every node (row i predicts the token after
+block slot i) a rule decides, at every node at once, which child (if any) is kept and the target's token there:
 - greedy: follow the child equal to the row's argmax;
 - rejection sampling (multi-draft, as in SpecInfer): at a node with target distribution p, children are tried in
   slot order, child j kept with probability min(1, r(x_j)/q_j(x_j)) where r starts at p and becomes
@@ -29,10 +30,8 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .acceptance import MatchAcceptor, SamplingAcceptor
 from .lookup import LookupIndex
 from .proposal import DFLASH, LOOKUP, TreeProposal
-from .sampling import log_distribution
 
 
 # -- building trees --------------------------------------------------------------------------------------------------
@@ -101,18 +100,13 @@ def propose_tree(draft_logits: mx.array, acceptor, budget: int) -> Optional[Tree
     """A DFlash block's drafts as a DDTree of `budget` nodes, from the drafter's logits [D, V].
 
     The tree's nodes are fixed top-K choices, so the proposal is a point mass on each: exact under rejection
-    sampling, whatever distribution chose them. Sampling acceptors rank by the distribution they sample from
-    (the drafter's logits through the same filters and temperature as the target), others by the log-softmax.
+    sampling, whatever distribution chose them. Nodes are ranked by the distribution the acceptor draws drafts
+    from (`draft_distribution`: a sampling acceptor's filters and temperature, else the log-softmax).
     Returns None with logits processors (each node's row would depend on its own path): draft a chain instead.
     """
     if getattr(acceptor, "processors", None):
         return None
-    if isinstance(acceptor, SamplingAcceptor):
-        logq = log_distribution(draft_logits, acceptor.params)
-    else:
-        logits = draft_logits.astype(mx.float32)
-        logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    tokens, parents, logprobs = _ddtree(logq, budget)
+    tokens, parents, logprobs = _ddtree(acceptor.draft_distribution(draft_logits), budget)
     # Prefixes the drafter gives probability 0 (filtered out) come last; they add nothing the drafter expects.
     keep = max(1, sum(lp > -np.inf for lp in logprobs)) if tokens else 0
     return TreeProposal(mx.array(tokens[:keep], dtype=mx.int32), point_mass=True, source=DFLASH,
@@ -163,8 +157,14 @@ def lookup_tree(index: LookupIndex, widest: int, branches: int,
 
 
 # -- verifying trees -------------------------------------------------------------------------------------------------
-def _children(parents: Sequence[int]) -> np.ndarray:
-    """[n+1, Kmax] the child slots of every slot in slot order, padded with -1."""
+# The node-level steps every acceptor's `verify` takes on a tree (`acceptance.py`); see the module docstring.
+def children(proposal: TreeProposal, target_logits: mx.array) -> np.ndarray:
+    """[n+1, Kmax] the child slots of every slot in slot order, padded with -1; a tree whose tokens, rows or
+    parents do not fit together is refused (ValueError)."""
+    parents = tuple(proposal.parents)
+    if proposal.tokens.shape[-1] != len(parents) or target_logits.shape[-2] != len(parents) + 1:
+        raise ValueError(f"a tree of {len(parents)} nodes needs {len(parents)} tokens and {len(parents) + 1} "
+                         f"target rows, got {proposal.tokens.shape[-1]} and {target_logits.shape[-2]}")
     kids: List[List[int]] = [[] for _ in range(len(parents) + 1)]
     for i, p in enumerate(parents):
         if not 0 <= p <= i:
@@ -174,21 +174,12 @@ def _children(parents: Sequence[int]) -> np.ndarray:
     return np.array([k + [-1] * (width - len(k)) for k in kids], dtype=np.int32)
 
 
-def _rows(acceptor, proposal: TreeProposal, target_logits: mx.array) -> mx.array:
-    """The target's logits at every node, through the acceptor's processors after the node's own path."""
-    processors = getattr(acceptor, "processors", None)
-    if not processors:
-        return target_logits
-    if target_logits.ndim != 2:
-        raise ValueError("logits processors take one tree at a time (no batch dimensions)")
-    rows, paths = [], [[]]
+def paths(proposal: TreeProposal) -> List[List[int]]:
+    """Every slot's path from the root: the block slots before it (the root's is empty)."""
+    out: List[List[int]] = [[]]
     for p in proposal.parents:
-        paths.append(paths[p] + [len(paths)])  # the slot being added
-    for slot, path in enumerate(paths):
-        prefix = mx.take(proposal.tokens, mx.array([s - 1 for s in path], dtype=mx.int32)) if path else \
-            mx.zeros((0,), dtype=mx.int32)
-        rows.append(acceptor._process_after(target_logits[slot : slot + 1], prefix))
-    return mx.concatenate(rows, axis=0)
+        out.append(out[p] + [len(out)])  # the slot being added
+    return out
 
 
 def _node_tokens(tokens: mx.array) -> mx.array:
@@ -197,7 +188,7 @@ def _node_tokens(tokens: mx.array) -> mx.array:
     return mx.concatenate([root, tokens.astype(mx.int32)], axis=-1)
 
 
-def _follow(choice: mx.array, tokens: mx.array, kids: np.ndarray) -> mx.array:
+def follow(choice: mx.array, tokens: mx.array, kids: np.ndarray) -> mx.array:
     """[..., n+1] at every node, the first child whose token is the node's choice, or -1."""
     slots = mx.array(np.maximum(kids, 0))
     kid_tokens = mx.take(_node_tokens(tokens), slots.reshape(-1), axis=-1).reshape(tokens.shape[:-1] + kids.shape)
@@ -212,14 +203,14 @@ def _residual(r: mx.array, mass: mx.array, q: mx.array) -> mx.array:
     return mx.maximum(r - mass[..., None] * q, 0.0)
 
 
-def _sampled(logp: mx.array, proposal: TreeProposal, kids: np.ndarray, key_accept, key_fix):
+def sampled(logp: mx.array, proposal: TreeProposal, kids: np.ndarray, key_accept, key_fix):
     """(kept child or -1, token drawn after the node) for every node under multi-draft rejection sampling."""
     tokens = proposal.tokens
     if proposal.logq is None:
         # Point masses: trying children in order (accept x_j with prob r(x_j), else drop x_j from r) has the law
         # of one draw y ~ p: keep the child whose token is y, else y is the target's token. One draw per row.
         choice = mx.random.categorical(logp, axis=-1, key=key_fix).astype(mx.int32)
-        return _follow(choice, tokens, kids), choice
+        return follow(choice, tokens, kids), choice
     q = mx.exp(proposal.logq.astype(mx.float32))
     q = mx.concatenate([mx.zeros(q.shape[:-2] + (1, q.shape[-1]), dtype=q.dtype), q], axis=-2)  # [..., n+1, V]
     node_tokens = mx.maximum(_node_tokens(tokens), 0)[..., None]
@@ -249,41 +240,14 @@ def _sampled(logp: mx.array, proposal: TreeProposal, kids: np.ndarray, key_accep
     return kept, fix
 
 
-def verify_tree(acceptor, proposal: TreeProposal, target_logits: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
-    """Which path of a tree the target keeps, and its token after it (lazy).
-
-    Args:
-        acceptor: a `GreedyAcceptor`, `SamplingAcceptor` or `MatchAcceptor` (its rule; see the module docstring).
-        proposal: the tree (`tokens` [..., n], `parents`, and for sampled nodes `logq` [..., n, V]).
-        target_logits: [..., n+1, V], row i the target's logits after block slot i (tree attention).
-    Returns:
-        (acc, path, fix): acc int32 [...] nodes accepted; path int32 [..., Dmax] their block slots in order (root
-        to leaf), 0 past acc; fix int32 [...] the target's token after the accepted path (bonus or correction).
-    Leading batch dimensions (trees of one shape with their own tokens) work without logits processors.
-    """
-    parents = tuple(proposal.parents)
-    if proposal.tokens.shape[-1] != len(parents) or target_logits.shape[-2] != len(parents) + 1:
-        raise ValueError(f"a tree of {len(parents)} nodes needs {len(parents)} tokens and {len(parents) + 1} "
-                         f"target rows, got {proposal.tokens.shape[-1]} and {target_logits.shape[-2]}")
-    kids = _children(parents)
-    rows = _rows(acceptor, proposal, target_logits)
-    if isinstance(acceptor, SamplingAcceptor):
-        key_accept, key_fix = acceptor._keys(2)
-        logp = log_distribution(rows, acceptor.params)
-        if acceptor.params.greedy:
-            choice = mx.argmax(logp, axis=-1).astype(mx.int32)
-            kept = _follow(choice, proposal.tokens, kids)
-        else:
-            kept, choice = _sampled(logp, proposal, kids, key_accept, key_fix)
-    else:
-        choice = acceptor._sample(rows) if isinstance(acceptor, MatchAcceptor) else \
-            mx.argmax(rows, axis=-1).astype(mx.int32)
-        kept = _follow(choice, proposal.tokens, kids)
-    # Walk from the root: a node without a kept child keeps the walk there (its `kept` is -1 every step after).
+def walk(kept: mx.array, choice: mx.array, depths: Sequence[int]) -> Tuple[mx.array, mx.array, mx.array]:
+    """From the root along the kept children: (acc nodes accepted, path [..., Dmax] their slots root to leaf, 0
+    past acc, the token chosen at the last node: the bonus or the correction). A node without a kept child keeps
+    the walk there (its `kept` is -1 every step after)."""
     cur = mx.zeros(kept.shape[:-1], dtype=mx.int32)
     acc = mx.zeros(kept.shape[:-1], dtype=mx.int32)
     path = []
-    for _ in range(max(proposal.depths)):
+    for _ in range(max(depths)):
         nxt = mx.take_along_axis(kept, cur[..., None], axis=-1)[..., 0]
         ok = nxt >= 0
         path.append(mx.where(ok, nxt, 0))
@@ -292,3 +256,24 @@ def verify_tree(acceptor, proposal: TreeProposal, target_logits: mx.array) -> Tu
     fix = mx.take_along_axis(choice, cur[..., None], axis=-1)[..., 0]
     path = mx.stack(path, axis=-1).astype(mx.int32) if path else mx.zeros(kept.shape[:-1] + (0,), dtype=mx.int32)
     return acc, path, fix.astype(mx.int32)
+
+
+def matched(proposal: TreeProposal, kids: np.ndarray, choice: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+    """The verdict of a rule that chose one token per node (greedy, an opaque sampler): follow the children that
+    equal it."""
+    return walk(follow(choice, proposal.tokens, kids), choice, proposal.depths)
+
+
+def verify_tree(acceptor, proposal: TreeProposal, target_logits: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+    """Which path of a tree the target keeps, and its token after it (lazy): `acceptor.verify` on a tree.
+
+    Args:
+        acceptor: any acceptance rule (`acceptance.GreedyAcceptor`, `SamplingAcceptor`, `MatchAcceptor`).
+        proposal: the tree (`tokens` [..., n], `parents`, and for sampled nodes `logq` [..., n, V]).
+        target_logits: [..., n+1, V], row i the target's logits after block slot i (tree attention).
+    Returns:
+        (acc, path, fix): acc int32 [...] nodes accepted; path int32 [..., Dmax] their block slots in order (root
+        to leaf), 0 past acc; fix int32 [...] the target's token after the accepted path (bonus or correction).
+    Leading batch dimensions (trees of one shape with their own tokens) work without logits processors.
+    """
+    return acceptor.verify(proposal, target_logits)

@@ -55,7 +55,7 @@ def coordinate(policy: "Width") -> "Width":
 
 
 class FixedWidth:
-    """Always the same width (`width=N`, `--block-size N`)."""
+    """Always the same width (`width=N`, `--width N`)."""
 
     def __init__(self, width: int):
         self.width = width

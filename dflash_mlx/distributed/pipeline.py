@@ -95,11 +95,6 @@ class PipelineTarget(TargetModel):
     def size(self) -> int:
         return self.inner.pipeline_size
 
-    def owned_taps(self) -> List[int]:
-        """Tapped layer ids that run on this rank."""
-        start, end = self.inner.start_idx, self.inner.start_idx + len(self.layers)
-        return [i for i in self.tap_layer_ids if start <= i < end]
-
     def forward(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
         """Logits [1, T, V] (the same on every rank) and this stage's partial taps [1, T, n*H]."""
         inner, layers = self.inner, self.layers

@@ -156,7 +156,7 @@ def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, qua
         # user fixed a budget (which every rank follows without measuring).
         settings.tree_budget = None
     if group.rank() != 0:
-        follow(Generator(target, tokenizer, draft, width=settings.block_size,
+        follow(Generator(target, tokenizer, draft, width=settings.width,
                          prompt_cache_bytes=settings.prompt_cache_bytes,
                          tree_budget=settings.tree_budget), group)
         return

@@ -11,7 +11,7 @@ target's final-normed hidden state h_t and the embedding of token t+1, and predi
 `embed` and `head` are the layer's own `embed_tokens` / `shared_head.head` where the checkpoint stores them (the
 DeepSeek-V3 release does: copies of the target's), else the target's. With several nextn layers only the first
 (`model.layers.{num_hidden_layers}`) is used, at every draft depth, as the reference implementation does. Pairing,
-caching and the proposer are those of `mtp.MTPDrafter`.
+caching and the proposer are those of `mtp_block.MTPDrafter`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from .mtp import MTPConfig, MTPDrafter, _Borrowed, _load_weights, _no_mtp, _read, _shards
+from .mtp_block import MTPConfig, MTPDrafter, _Borrowed
+from .mtp_checkpoint import _load_weights, _no_mtp, _read, _shards
 
 DEEPSEEK_FAMILIES = ("deepseek_v3", "kimi_k25")
 # Where the nextn layer lives: plain DeepSeek-V3 checkpoints, and the nested multimodal layouts (Kimi K2.5).

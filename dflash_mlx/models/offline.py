@@ -143,10 +143,6 @@ def _dtype(dtype: str) -> str:
     return dtype_name(dtype)
 
 
-def is_installed(name: str, dtype: str = "float32", q_bits: Optional[int] = None, q_group_size: int = 64) -> bool:
-    return (model_dir(get_model(name), dtype, q_bits, q_group_size) / "config.json").is_file()
-
-
 def _home_error(root: Path, e: OSError) -> DFlashError:
     """One line for a cache folder that cannot be written: which folder, why, and what to set instead."""
     origin = "DFLASH_MLX_HOME" if os.environ.get("DFLASH_MLX_HOME") else "the default cache folder"

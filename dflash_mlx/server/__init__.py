@@ -180,7 +180,7 @@ def parse_bytes(text: str, flag: str = "--prompt-cache-bytes") -> int:
 
 
 def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str], max_queue: int,
-                      prompt_cache_bytes: str, block_size: Optional[int], max_tokens: Optional[int], temp: float,
+                      prompt_cache_bytes: str, width: Optional[int], max_tokens: Optional[int], temp: float,
                       chat_template_args: Optional[str],
                       served_model_name: Union[None, str, List[str]], max_batch: int = 8,
                       prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: str = "16GiB",
@@ -208,7 +208,7 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
         prepare_folder(prompt_cache_dir)
     return ServerSettings(model_name=names[0], served_names=names[1:], drafter_name=draft, api_key=api_key,
                           max_queue=max_queue, prompt_cache_bytes=parse_bytes(prompt_cache_bytes),
-                          block_size=block_size, default_max_tokens=max_tokens, temperature=temp,
+                          width=width, default_max_tokens=max_tokens, temperature=temp,
                           chat_template_kwargs=template_args, max_batch=max_batch,
                           prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=disk_bytes,
                           strict_model_names=strict_model_names, tree_budget=tree_budget)

@@ -58,7 +58,7 @@ class ServerSettings:
     prompt_cache_bytes: int = 2 << 30
     prompt_cache_dir: Optional[str] = None  # evicted prefix-cache entries (and all at shutdown) kept on disk here
     prompt_cache_dir_bytes: int = 16 << 30
-    block_size: Optional[int] = None
+    width: Optional[int] = None  # tokens verified per pass (None: chosen every pass)
     # Drafted blocks as trees: "auto" (chain or tree by measured speed), a fixed budget, None (chains), or
     # DEFAULT_TREES: "auto" unless the width is fixed or the request gives a seed (as `dflash-mlx generate`).
     tree_budget: Union[int, str, None] = DEFAULT_TREES
@@ -107,7 +107,7 @@ class Server:
             store = PrefixStore(prepare_folder(settings.prompt_cache_dir),
                                 fingerprint(model, drafter_model(drafter)[0]),
                                 settings.prompt_cache_dir_bytes)
-        self.generator = Generator(model, self.tokenizer, drafter, width=settings.block_size,
+        self.generator = Generator(model, self.tokenizer, drafter, width=settings.width,
                                    prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,
                                    store=store, tree_budget=settings.tree_budget)
         self.metrics = Metrics()
@@ -335,7 +335,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         return {"id": name, "object": "model", "created": server.created, "owned_by": "dflash-mlx",
                 "context_length": server.context_length,
                 "dflash": {"drafter": settings.drafter_name,
-                           "block_size": gen.width or (gen.drafter.block_size if gen.drafter else 1),
+                           "width": gen.width or (gen.drafter.block_size if gen.drafter else 1),
                            "adaptive_width": (gen.drafter is not None or gen.lookup_only) and gen.width is None}}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])

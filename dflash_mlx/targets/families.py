@@ -13,7 +13,7 @@ sliding-window and sink attention (gpt_oss, gemma3, gemma4, llama with `layer_ty
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -7,7 +7,7 @@ with no cache of their own. These hooks mirror `Gemma4TextModel.__call__`, reusi
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn

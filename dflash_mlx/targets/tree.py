@@ -156,7 +156,6 @@ def _conv_index(parents: Sequence[int], keep: int) -> np.ndarray:
 
 def gdn_tree(attn: nn.Module, x: mx.array, cache: Any, parents: Sequence[int], levels: List[List[int]]):
     """GatedDeltaNet over the tree's nodes (x: [n+1, 1, D]); returns (output, record)."""
-    N = x.shape[0]
     qkv, z, b, a = gdn_project(attn, x)
     keep = attn.conv_kernel_size - 1
     prev_conv, prev_state = cache[0], cache[1]

@@ -28,6 +28,7 @@ from ..acceptance import Acceptor, GreedyAcceptor
 from ..proposal import DFLASH, Offer, Proposal
 from ..state import DecodeState
 from ..tree import propose_tree
+from . import Proposer
 
 
 class Drafter(Protocol):
@@ -50,7 +51,7 @@ class Drafter(Protocol):
     def __call__(self, block_ids: mx.array, cache: List[Any]) -> mx.array: ...
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     name = DFLASH
 
     def __init__(self, drafter: Drafter, mask_token_id: Optional[int] = None):

@@ -18,12 +18,13 @@ from ..lookup import LookupIndex
 from ..proposal import LOOKUP, Offer, Proposal
 from ..state import DecodeState
 from ..tree import lookup_tree
+from . import Proposer
 
 
 BRANCHES = 4  # earlier occurrences a lookup tree follows
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     name = LOOKUP
 
     widest = 1 << 30  # as long as the copy found; the planner bounds it (`Planner.widest`)

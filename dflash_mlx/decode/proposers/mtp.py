@@ -21,6 +21,7 @@ import mlx.core as mx
 from ..acceptance import Acceptor
 from ..proposal import Offer, Proposal
 from ..state import DecodeState
+from . import Proposer
 
 MTP = "mtp"
 
@@ -46,7 +47,7 @@ class _Undo:
         self.observed = False
 
 
-class MTPProposer:
+class MTPProposer(Proposer):
     name = MTP
 
     def __init__(self, drafter):

@@ -9,9 +9,10 @@ import mlx.core as mx
 from ..acceptance import Acceptor
 from ..proposal import PLAIN, Offer, Proposal
 from ..state import DecodeState
+from . import Proposer
 
 
-class PlainProposer:
+class PlainProposer(Proposer):
     name = PLAIN
     widest = 1
 
