@@ -64,10 +64,29 @@ def bigram(model, vocab: int, prompts: Sequence[Sequence[int]] = (), steps: int 
     return table
 
 
+def hot_follower(model, kept: np.ndarray, prompts: Sequence[Sequence[int]], steps: int = 60) -> np.ndarray:
+    """For each token, the target's most likely next token *among `kept`* after it, read at every position of
+    its greedy output from `prompts` (elsewhere the likeliest kept token after the token alone)."""
+    from mlx_lm.generate import generate_step
+
+    V = int(embedding(model).weight.shape[0])
+    alone = np.array(model(mx.arange(V, dtype=mx.int32)[:, None])[:, -1])
+    table = kept[np.argmax(alone[:, kept], axis=-1)]
+    for prompt in prompts:
+        seq = list(prompt) + [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=steps,
+                                                                 sampler=lambda x: mx.argmax(x, axis=-1))]
+        logits = np.array(model(mx.array([seq]))[0])
+        for a, row in zip(seq, logits):
+            table[a] = kept[np.argmax(row[kept])]
+    return table
+
+
 def build_drafter(model, taps: Sequence[int], *, seed: int = 0, draft_vocab: Optional[int] = None,
-                  block_size: int = 4, prompts: Sequence[Sequence[int]] = ()) -> Eagle3Drafter:
+                  block_size: int = 4, prompts: Sequence[Sequence[int]] = (), follow_hot: bool = False
+                  ) -> Eagle3Drafter:
     """A steered EAGLE-3 drafter for `model` tapping layer outputs `taps` (see the module docstring), unbound;
-    `draft_vocab`: a reduced head over the target's most frequent next tokens."""
+    `draft_vocab`: a reduced head over the target's most frequent next tokens; `follow_hot`: it predicts the
+    target's likeliest token within that reduced vocabulary (`hot_follower`), not its likeliest overall."""
     E = np.array(embedding(model).weight.astype(mx.float32))
     V, H = E.shape
     big = bigram(model, V, prompts)
@@ -76,6 +95,8 @@ def build_drafter(model, taps: Sequence[int], *, seed: int = 0, draft_vocab: Opt
         freq = np.bincount(big, minlength=V).astype(np.float64) + np.arange(V)[::-1] * 1e-6
         kept = np.sort(np.argsort(-freq, kind="stable")[:draft_vocab])  # draft id i -> target id kept[i]
         d2t = kept - np.arange(draft_vocab)
+        if follow_hot:
+            big = hot_follower(model, kept, prompts)
     config = Eagle3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
                           vocab_size=V, head_dim=H // 4, rope_theta=10000.0, target_layer_ids=list(taps),
                           draft_vocab_size=draft_vocab, block_size=block_size, has_own_lm_head=True)
