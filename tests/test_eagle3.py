@@ -181,13 +181,13 @@ def test_sampled_output_follows_the_target_distribution(mode):
     params = SamplingParams(temp=1.5)
     tree = dict(tree_budget=4) if mode == "tree" else {}
     seqs, accepted = [], 0
-    for seed in range(300):
+    for seed in range(200):
         passes = list(Generation(target, drafter, prompt, max_tokens=4, width=3, lookup=False,
                                  acceptor=SamplingAcceptor(params, seed=seed), **tree))
         seqs.append([t for p in passes for t in p.tokens][:3])
         accepted += sum(p.accepted for p in passes)
     assert chi2_pvalue(joint_counts(np.array(seqs), V), exact_target_joint(model, prompt, params)) > 1e-3
-    assert accepted > 60  # drafts are accepted often: the test exercises acceptance, not only rejection
+    assert accepted > 40  # drafts are accepted often: the test exercises acceptance, not only rejection
 
 
 def _state(cache):
@@ -238,3 +238,54 @@ def test_withdraw_and_take_back_leave_the_draft_state_as_it_was(budget):
         tokens += dec.finish(done, done.packed.tolist(), 0.0).tokens
         i += 1
     assert tokens == expected[: len(tokens)] and len(tokens) > 15 and i > 5
+
+
+@pytest.fixture(scope="module")
+def on_disk(tmp_path_factory):
+    """A tiny target folder with a tokenizer (the demo's) and a steered EAGLE-3 drafter for it in both layouts."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from dflash_mlx.demo import make_tiny_pair
+
+    root = tmp_path_factory.mktemp("eagle3")
+    target_dir, _ = make_tiny_pair(root / "pair")
+    model, tokenizer = mlx_lm_load(str(target_dir))
+    n = len(model.layers)
+    prompt = tokenizer.encode("def add(a, b):")
+    drafter = build_drafter(model, [0, n // 2, n - 1], prompts=[prompt])
+    return (target_dir, save_speculators(drafter, model, root / "speculators"),
+            save_specforge(drafter, model, root / "specforge"), prompt, plain(model, prompt, 24))
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+def test_load_recognises_either_layout_and_stream_generate_equals_plain(on_disk, layout):
+    from dflash_mlx import load, stream_generate
+
+    target_dir, prompt, want = on_disk[0], on_disk[3], on_disk[4]
+    model, tokenizer, drafter = load(str(target_dir), drafter=str(on_disk[layout]))
+    assert drafter.drafts_with == "eagle3"
+    for kw in (dict(width=None), dict(width=3), dict(width=4, tree_budget=6)):
+        got = [r.token for r in stream_generate(model, tokenizer, prompt, drafter, max_tokens=24, lookup=False,
+                                                **kw)]
+        assert got == want, kw
+
+
+def test_cli_generate_and_convert_with_an_eagle3_draft(on_disk, tmp_path, capsys):
+    from dflash_mlx import load, stream_generate
+    from dflash_mlx.cli import main
+
+    target_dir, spec = on_disk[0], on_disk[1]
+    args = ["generate", "--model", str(target_dir), "-p", "hello", "--max-tokens", "16", "--ignore-chat-template"]
+    assert main(args + ["--draft", str(spec), "--block-size", "1"]) == 0
+    alone = capsys.readouterr().out
+    assert main(args + ["--draft", str(spec), "--block-size", "3"]) == 0
+    assert capsys.readouterr().out == alone
+    for bits in (8, 4):  # our own layout, quantized: still lossless
+        out = tmp_path / f"q{bits}"
+        assert main(["convert", str(spec), str(out), "-q", "--q-bits", str(bits), "--q-group-size", "32"]) == 0
+        config = json.loads((out / "config.json").read_text())
+        assert config["model_type"] == "eagle3" and config["quantization"]["bits"] == bits
+        model, tokenizer, drafter = load(str(target_dir), drafter=str(out))
+        got = [r.token for r in stream_generate(model, tokenizer, on_disk[3], drafter, max_tokens=24, width=3,
+                                                lookup=False)]
+        assert got == on_disk[4], bits
