@@ -305,6 +305,8 @@ def rename(weights, config: Eagle3Config):
     for key, value in weights.items():
         if key == "t2d" or key.startswith("verifier_"):
             continue
+        if key.startswith("input_norm.") and not config.norm_before_fc:
+            continue  # a norm the config does not apply (the reference drops it too)
         if key.startswith("midlayer."):
             key = "layers.0." + key[len("midlayer."):]
         out[key] = value
