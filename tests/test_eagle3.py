@@ -289,3 +289,36 @@ def test_cli_generate_and_convert_with_an_eagle3_draft(on_disk, tmp_path, capsys
         got = [r.token for r in stream_generate(model, tokenizer, on_disk[3], drafter, max_tokens=24, width=3,
                                                 lookup=False)]
         assert got == on_disk[4], bits
+
+
+def test_lookup_adaptive_widths_a_batch_and_a_second_turn_stay_lossless():
+    """EAGLE-3 beside prompt lookup and plain passes (adaptive widths and trees), in a shared batch, and continuing
+    a conversation's state into a second turn: the output is still the target's greedy output."""
+    from dflash_mlx.decode.batching import Batch, BatchedGeneration
+
+    model, drafter, target, prompt = pair("qwen3_5_moe")
+    expected = plain(model, prompt, MAX_TOKENS)
+    echo = prompt + expected[:12] + prompt  # repeats itself, so lookup finds copies
+    passes = list(Generation(target, drafter, echo, max_tokens=MAX_TOKENS, lookup=True))
+    assert [t for p in passes for t in p.tokens] == plain(model, echo, MAX_TOKENS)
+    assert {"eagle3"} <= {p.source for p in passes[1:]}
+
+    batch = Batch(target, drafter)
+    prompts = [prompt, prompt[3:]]
+    gens = [iter(BatchedGeneration(batch, p, max_tokens=20, width=3, lookup=False)) for p in prompts]
+    out, live = [[], []], {0, 1}
+    while live:
+        for i in sorted(live):
+            try:
+                out[i] += next(gens[i]).tokens
+            except StopIteration:
+                live.discard(i)
+    assert out == [plain(model, p, 20) for p in prompts] and max(batch.sizes) == 2
+
+    state = DecodeState.fresh(target, drafter)
+    first = [t for p in Generation(target, drafter, prompt, max_tokens=10, width=3, state=state, lookup=False)
+             for t in p.tokens]
+    follow = [5, 17, 29]
+    second = [t for p in Generation(target, drafter, follow, max_tokens=15, width=4, state=state, lookup=False,
+                                    tree_budget=5) for t in p.tokens]
+    assert second == plain(model, prompt + first + follow, 15)
