@@ -175,13 +175,14 @@ def save_speculators(drafter: Eagle3Drafter, model, folder, speculative_tokens: 
     return folder
 
 
-def save_specforge(drafter: Eagle3Drafter, model, folder, state_taps: bool = True) -> Path:
+def save_specforge(drafter: Eagle3Drafter, model, folder, state_taps: bool = True,
+                   architecture: str = "LlamaForCausalLMEagle3") -> Path:
     """SpecForge / SGLang layout: `midlayer.*`, a flat Llama config, taps as layer outputs in `eagle_config`
     (left out with `state_taps=False`, as some releases do)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = drafter.config
-    config = dict(_layer_config(c), architectures=["LlamaForCausalLMEagle3"],
+    config = dict(_layer_config(c), architectures=[architecture],
                   draft_vocab_size=c.draft_vocab_size or c.vocab_size)
     if state_taps:
         config["eagle_config"] = dict(eagle_aux_hidden_state_layer_ids=list(c.target_layer_ids),

@@ -127,9 +127,10 @@ def test_both_layouts_and_ours_load_identical_weights(tmp_path):
     model, drafter, _, _ = pair("llama", draft_vocab=8)
     spec = load_drafter(save_speculators(drafter, model, tmp_path / "speculators"))
     forge = load_drafter(save_specforge(drafter, model, tmp_path / "specforge"))
+    llama = load_drafter(save_specforge(drafter, model, tmp_path / "llama", architecture="LlamaForCausalLM"))
     ours = load_drafter(save_drafter(spec, tmp_path / "ours"))
     reference = dict(tree_flatten(drafter.parameters()))
-    for loaded in (spec, forge, ours):
+    for loaded in (spec, forge, llama, ours):
         weights = dict(tree_flatten(loaded.parameters()))
         assert sorted(weights) == sorted(reference)  # the embedding copy and t2d are not kept
         for key, value in reference.items():
@@ -178,10 +179,10 @@ def test_sampled_output_follows_the_target_distribution(mode):
     prompt = [1, 5, 2, 7]
     drafter = build_drafter(model, [0, 1, 3], prompts=[prompt, [3, 3]])
     target = bind(model, drafter)
-    params = SamplingParams(temp=1.5)
+    params = SamplingParams(temp=0.8)  # peaked enough that 300 samples fill a dozen cells of the 3-token joint
     tree = dict(tree_budget=4) if mode == "tree" else {}
     seqs, accepted = [], 0
-    for seed in range(200):
+    for seed in range(300):
         passes = list(Generation(target, drafter, prompt, max_tokens=4, width=3, lookup=False,
                                  acceptor=SamplingAcceptor(params, seed=seed), **tree))
         seqs.append([t for p in passes for t in p.tokens][:3])

@@ -36,10 +36,13 @@ def default_taps(num_target_layers: int) -> List[int]:
 
 
 def is_eagle3(raw: Dict[str, Any]) -> bool:
+    """An EAGLE-3 config of any layout (a Llama config with a `draft_vocab_size` is one: some releases name a
+    plain Llama architecture)."""
     archs = raw.get("architectures") or []
     return (raw.get("model_type") == MODEL_TYPE or raw.get("speculators_model_type") == MODEL_TYPE
             or (raw.get("speculators_config") or {}).get("algorithm") == MODEL_TYPE
-            or any("Eagle3" in a for a in archs))
+            or any("Eagle3" in a for a in archs)
+            or (raw.get("model_type") == "llama" and "draft_vocab_size" in raw and "dflash_config" not in raw))
 
 
 @dataclass

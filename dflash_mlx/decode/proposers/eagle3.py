@@ -67,7 +67,15 @@ def _log_rows(logits: mx.array, acceptor) -> mx.array:
 
 def _top(logq: np.ndarray, k: int):
     """Each row's k most likely ids and log-probabilities, most likely first (ties by lower id)."""
-    order = np.argsort(-logq, axis=-1, kind="stable")[:, :k]
+    if k < logq.shape[-1]:  # O(V) per row: the k largest (ties at the k-th by lower id), then sorted
+        kth = -np.partition(-logq, k - 1, axis=-1)[:, k - 1 : k]
+        order = np.stack([np.concatenate([np.flatnonzero(r > t), np.flatnonzero(r == t)])[:k]
+                          for r, t in zip(logq, kth[:, 0])])
+    else:
+        order = np.broadcast_to(np.arange(logq.shape[-1]), logq.shape)
+    vals = np.take_along_axis(logq, order, axis=-1)
+    rank = np.lexsort((order, -vals), axis=-1)
+    order = np.take_along_axis(order, rank, axis=-1)
     return order, np.take_along_axis(logq, order, axis=-1)
 
 
