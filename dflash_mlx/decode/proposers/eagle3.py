@@ -59,9 +59,9 @@ class _Undo:
 def _log_rows(logits: mx.array, acceptor) -> mx.array:
     """The distribution a tree ranks by: the sampling acceptor's (same filters and temperature as the target),
     else the log-softmax."""
+    logits = logits.astype(mx.float32)  # read on the host (numpy has no bfloat16)
     if isinstance(acceptor, SamplingAcceptor):
-        return log_distribution(logits, acceptor.params)
-    logits = logits.astype(mx.float32)
+        return log_distribution(logits, acceptor.params).astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
@@ -129,7 +129,7 @@ class Eagle3Proposer:
         drafter, k = self.drafter, max(1, min(self.top_k, budget))
         logq = np.array(_log_rows(drafter.logits(seed)[0], acceptor))  # [1, V]
         ids, lps = _top(logq, k)
-        # Every node grown: (token, parent node or -1, cumulative log q, depth); `outputs[i]` an expanded node's g.
+        # Every node grown: (token, parent node or -1, cumulative log q, depth).
         nodes = [(int(t), -1, float(s), 1) for t, s in zip(ids[0], lps[0])]
         frontier = list(range(len(nodes)))
         parent_out = {-1: seed}  # node -> its drafter output [1, 1, H]
