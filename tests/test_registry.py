@@ -26,6 +26,9 @@ EXPECTED_DRAFTERS = {
     # DSpark drafters (DeepSeek DeepSpec) for the same MLX targets.
     "Qwen3-4B-DSpark": "deepseek-ai/dspark_qwen3_4b_block7", "Qwen3-8B-DSpark": "deepseek-ai/dspark_qwen3_8b_block7",
     "Qwen3-14B-DSpark": "deepseek-ai/dspark_qwen3_14b_block7",
+    # EAGLE-3 drafters (speculators and SpecForge layouts) for the same MLX targets.
+    "Qwen3-4B-EAGLE3": "AngelSlim/Qwen3-4B_eagle3", "Qwen3-8B-EAGLE3": "RedHatAI/Qwen3-8B-speculator.eagle3",
+    "gpt-oss-20b-EAGLE3": "RedHatAI/gpt-oss-20b-speculator.eagle3",
     # No drafter published: the target's own MTP layers draft.
     "Qwen3.5-0.8B": "mtp", "Qwen3.5-2B": "mtp",
 }

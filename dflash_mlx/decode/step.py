@@ -37,6 +37,7 @@ from .planner import Planner
 from .proposal import LOOKUP, PLAIN, Proposal, TreeProposal
 from .proposers import Proposer, as_proposer
 from .proposers.dflash import DFlashProposer
+from .proposers.eagle3 import EAGLE3, Eagle3Proposer
 from .proposers.lookup import LookupProposer
 from .proposers.mtp import MTP, MTPProposer
 from .proposers.plain import PlainProposer
@@ -86,11 +87,14 @@ class Launch:
 def drafting_proposer(drafter, proposer: Optional[Proposer] = None,
                       mask_token_id: Optional[int] = None) -> Optional[Proposer]:
     """The proposer that fills passes wider than 1 when lookup does not: the one given, else the one the drafter
-    names (`drafts_with`: "mtp" for a target's MTP layers), else the drafter's blocks (None: neither)."""
+    names (`drafts_with`: "mtp" for a target's MTP layers, "eagle3" for an EAGLE-3 head), else the drafter's
+    blocks (None: neither)."""
     if proposer is not None:
         return proposer
     if getattr(drafter, "drafts_with", None) == MTP:
         return MTPProposer(drafter)
+    if getattr(drafter, "drafts_with", None) == EAGLE3:
+        return Eagle3Proposer(drafter)
     return DFlashProposer(drafter, mask_token_id) if drafter is not None else None
 
 

@@ -45,6 +45,7 @@ DFLASH = DrafterFamily("DFlash", _is_dflash, DFlashConfig, DFlashDrafter)
 _FAMILY_MODULES: List[str] = [
     "dflash_mlx.drafters.dflash2",
     "dflash_mlx.drafters.dspark",
+    "dflash_mlx.drafters.eagle3",
 ]
 
 _families: Optional[List[DrafterFamily]] = None
@@ -85,5 +86,6 @@ def marked_by(weights: Dict[str, Any], family: DrafterFamily) -> Optional[Tuple[
 def describe(drafter) -> str:
     """`--verbose`'s line on a drafter: its family and how its weights are held."""
     config = getattr(drafter, "config", None)
-    name = family_of(config).name if isinstance(config, DFlashConfig) else type(drafter).__name__
+    known = any(type(config) is f.config_class for f in families())
+    name = family_of(config).name if known else type(drafter).__name__
     return f"{name} drafter, {getattr(drafter, 'weights_form', 'weights as given')}"

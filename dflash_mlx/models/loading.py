@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import weakref
 from pathlib import Path
 from typing import Optional, Tuple, Union
@@ -159,6 +160,7 @@ def prepare(model: Union[nn.Module, TargetModel], drafter: Optional[DFlashDrafte
     else:
         target = model
     if drafter is not None:
+        _fit_taps(drafter, target)
         check_pair(target, drafter.config)
         target = target.with_taps(_taps(drafter))  # a target someone else holds keeps its own taps
         if getattr(getattr(drafter, "binding", None), "source", None) is not target:
@@ -172,7 +174,17 @@ def prepare(model: Union[nn.Module, TargetModel], drafter: Optional[DFlashDrafte
 
 
 def _taps(drafter: DFlashDrafter) -> Tuple[int, ...]:
-    return tuple(drafter.config.target_layer_ids)
+    return tuple(drafter.config.target_layer_ids or ())  # none yet: a default set against the target
+
+
+def _fit_taps(drafter, target: TargetModel) -> None:
+    """A drafter whose checkpoint names no tapped layers (some EAGLE-3 heads) taps its family's default for this
+    target, and says so."""
+    fit = getattr(drafter.config, "fit_taps", None)
+    if fit is not None and fit(target.num_layers):
+        logging.getLogger("dflash_mlx").warning(
+            "the drafter's checkpoint names no tapped target layers; tapping the published default for a "
+            "%d-layer target: the outputs of layers %s", target.num_layers, drafter.config.target_layer_ids)
 
 
 def load(

@@ -11,9 +11,10 @@ from ..targets import TargetModel
 
 
 def check_pair(target: TargetModel, config: DFlashConfig) -> None:
-    if config.hidden_size != target.hidden_size:
+    hidden = getattr(config, "target_hidden_size", None) or config.hidden_size  # the width its taps must have
+    if hidden != target.hidden_size:
         raise DFlashError(
-            f"drafter hidden size {config.hidden_size} does not match the target's {target.hidden_size}; "
+            f"drafter hidden size {hidden} does not match the target's {target.hidden_size}; "
             "use the drafter published for this target"
         )
     if config.vocab_size != target.vocab_size:
