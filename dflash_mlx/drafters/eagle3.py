@@ -33,7 +33,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..errors import DFlashError
 from .eagle3_config import Eagle3Config, is_eagle3
 from .families import DrafterFamily
-from .mtp import MTPPending as PairQueue
+from .mtp_block import MTPPending as PairQueue
 
 EAGLE3 = "eagle3"
 
