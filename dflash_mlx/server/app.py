@@ -24,7 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from . import anthropic_format, errors, prompts, responses_format
+from . import anthropic_format, errors, guard, prompts, responses_format
 from ..decode.lookup import drafter_model
 from ..decode.sampling import SamplingParams
 from ..errors import DFlashError
@@ -35,7 +35,7 @@ from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
 from .prefix_store import PrefixStore, fingerprint, prepare_folder
 from .responses_store import ResponseStore
-from .schemas import ChatCompletionRequest, CompletionRequest, check_text
+from .schemas import ChatCompletionRequest, CompletionRequest, check_text, text_limit
 from .streaming import collect, first_event, sse_response
 from .text import router_for
 from .tools import openai_tool_choice
@@ -65,6 +65,7 @@ class ServerSettings:
     # their own ids: claude-opus-4-8, gpt-5-codex, a haiku id for side tasks). True: such a request is a 404.
     strict_model_names: bool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    max_body_bytes: Optional[int] = None  # a request body's bound; None: `body_limit(context length)`
 
     def name_after(self, model: str, drafter: Optional[str]) -> "ServerSettings":
         """Fill the names /v1/models reports from the command's target and drafter, where none was set."""
@@ -78,6 +79,17 @@ class ServerSettings:
     def names(self) -> List[str]:
         """Every name the server answers to, the first one first, each once."""
         return list(dict.fromkeys([self.model_name, *self.served_names]))
+
+
+def body_limit(context_length: Optional[int]) -> int:
+    """A request body's bound: four times the text the context may hold (JSON escapes a CJK character in 6
+    bytes, a newline in 2), and never under 8 MiB (tool results, images a route refuses by name)."""
+    text = text_limit(context_length)
+    return max(MIN_BODY_BYTES, 4 * text) if text is not None else DEFAULT_BODY_BYTES
+
+
+MIN_BODY_BYTES = 8 << 20
+DEFAULT_BODY_BYTES = 64 << 20  # a model whose config gives no context
 
 
 def context_length_of(model) -> Optional[int]:
@@ -109,6 +121,7 @@ class Server:
         self.metrics = Metrics()
         self.worker = Worker(self.generator, settings.max_queue, self.metrics, on_exit=self.generator.persist)
         self.context_length = settings.context_length or context_length_of(model)
+        self.max_body_bytes = settings.max_body_bytes or body_limit(self.context_length)
         self.vocab_size = self.generator.target.vocab_size
         self.created = int(time.time())
         self._unlisted: set = set()  # names asked for that the server does not list (each logged once)
@@ -291,11 +304,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         key = settings.api_key
         if not key:
             return
-        given = request.headers.get("x-api-key") or ""
-        auth = request.headers.get("authorization") or ""
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not hmac.compare_digest(guard.given_key(request.headers).encode(), key.encode()):
             raise APIError(401, "invalid API key: send 'Authorization: Bearer KEY' with the server's --api-key",
                            type="authentication_error", code="invalid_api_key")
 
@@ -305,6 +314,11 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         route = scope.get("route")
         server.metrics.record_request(getattr(route, "path", None) or "unmatched", status)
 
+    # Outermost last: the counter sees every answer; the last resort, every failure; the key is checked before
+    # a body is read.
+    app.add_middleware(guard.BodyCheck, max_bytes=server.max_body_bytes)
+    app.add_middleware(guard.KeyCheck, key=settings.api_key)
+    app.add_middleware(guard.LastResort)
     app.add_middleware(RequestCounter, on_response=count_request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes
