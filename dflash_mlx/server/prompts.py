@@ -40,7 +40,7 @@ def text_of(content: Any, where: str) -> str:
                                 f"{json_kind(part)}", param=f"{where}.{i}")
         else:
             raise APIError(400, f"'{where}.{i}': content parts of type {kind!r} are not supported (text only, "
-                                "with its 'text' a string)", param=f"{where}.{i}")
+                                "with its 'text' a string)", param=where)
     return "".join(parts)
 
 
