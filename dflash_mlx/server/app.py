@@ -24,7 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from . import anthropic_format, errors, guard, prompts, responses_format
+from . import anthropic_format, errors, guard, openapi, prompts, responses_format
 from ..decode.lookup import drafter_model
 from ..decode.sampling import SamplingParams
 from ..errors import DFlashError
@@ -160,9 +160,10 @@ class Server:
     def generation_request(self, prompt: prompts.Prompt, body, max_tokens: Optional[int], stop: List[str],
                            logprobs: bool = False, top_logprobs: int = 0) -> GenerationRequest:
         if getattr(body, "n", 1) != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+            raise APIError(400, f"'n' must be 1 (one reply per request), got {body.n!r}; send one request per reply",
+                           param="n")
         if max_tokens is not None and max_tokens <= 0:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+            raise APIError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
         n = len(prompt.tokens)
         if n == 0:
             raise APIError(400, "the prompt is empty", param="messages")
@@ -184,7 +185,10 @@ class Server:
         penalty = getattr(body, "repetition_penalty", None)
         if penalty is not None:
             sampling["repetition_penalty"] = penalty
-            sampling["repetition_context_size"] = getattr(body, "repetition_context_size", None) or 20
+            # Past the context it means "all of it"; MLX slices with 32-bit indices.
+            sampling["repetition_context_size"] = min(getattr(body, "repetition_context_size", None) or 20,
+                                                      self.context_length or MAX_REPETITION_CONTEXT,
+                                                      MAX_REPETITION_CONTEXT)
         bias = getattr(body, "logit_bias", None)
         if bias:
             sampling["logits_processors"] = make_logits_processors(logit_bias=self._logit_bias(bias))
@@ -199,7 +203,7 @@ class Server:
             except ValueError:
                 token = -1
             if not 0 <= token < self.vocab_size:
-                raise APIError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                raise APIError(400, f"'logit_bias' keys must be token ids in [0, {self.vocab_size}), got {key!r}",
                                param="logit_bias")
             out[token] = float(value)
         return out
@@ -224,12 +228,13 @@ class Server:
 
 
 NO_CONTEXT_MAX_TOKENS = 32768  # the limit of a request that sets none, for a model whose config gives no context
-MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+MAX_SEED = 2**64 - 1
+MAX_REPETITION_CONTEXT = 2**31 - 1  # mx.random.key takes an unsigned 64-bit seed
 
 
 def _seed(seed):
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise APIError(400, f"seed must be an integer from 0 to 2**64-1, got {seed!r}", param="seed")
+        raise APIError(400, f"'seed' must be an integer from 0 to 2**64-1, got {seed!r}", param="seed")
     return seed
 
 
@@ -384,7 +389,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         server.check_body(body)
         name = server.check_model(body.model)
         if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+            raise APIError(400, "'echo' is not supported (the reply holds the completion only); leave it out or false", param="echo")
         if isinstance(body.prompt, list) and all(isinstance(t, int) for t in body.prompt):
             server.check_length(len(body.prompt))  # before decoding them all
         prompt = await asyncio.to_thread(prompts.text_prompt, server.tokenizer, body.prompt, server.vocab_size)
@@ -398,6 +403,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
     anthropic_format.add_routes(app, server, authorize)
     app.state.responses = ResponseStore()
     responses_format.add_routes(app, server, authorize, app.state.responses)
+    openapi.install(app)
     return app
 
 

@@ -302,7 +302,7 @@ def add_routes(app, server, authorize, store: ResponseStore) -> None:
         name = server.check_model(body.model)
         _check_text_format(body)
         if body.max_output_tokens is not None and body.max_output_tokens <= 0:
-            raise APIError(400, f"max_output_tokens must be at least 1, got {body.max_output_tokens}",
+            raise APIError(400, f"'max_output_tokens' must be at least 1, got {body.max_output_tokens}",
                            param="max_output_tokens")
         history = stored(body.previous_response_id, "previous_response_id").messages \
             if body.previous_response_id else []
