@@ -24,8 +24,8 @@ from dflash_mlx.server import ServerSettings, create_app
 
 import fuzz_requests
 
-EXAMPLES = 5  # per operation and mode (valid, invalid); the benchmark runs thousands
-BODIES = 30  # hypothesis bodies per route
+EXAMPLES = 6  # per operation and mode (valid, invalid); the benchmark runs thousands
+BODIES = 60  # hypothesis bodies per route
 def fixed(examples: int) -> settings:
     # No shrinking: a failure is reported as found (shrinking a server request can take minutes).
     return settings(max_examples=examples, derandomize=True, deadline=None, database=None,
