@@ -49,7 +49,7 @@ def check_family(local: Path, shown: str, unreadable: str = "has an unreadable c
                           f"{', '.join(supported_model_types())}")
 
 
-TRUST_REMOTE_CODE = "DFLASH_TRUST_REMOTE_CODE"  # set to 1: load checkpoints that bring their own Python code
+TRUST_REMOTE_CODE = "DFLASH_MLX_TRUST_REMOTE_CODE"  # set to 1: load checkpoints that bring their own Python code
 
 
 def trusts_remote_code() -> bool:
