@@ -131,3 +131,19 @@ def test_generated_bodies(app, log, path, bodies):
         run()
     assert not fuzz_requests.traceback_lines(log), log
     assert 400 in statuses  # the generator reached the refusals, not just the happy path
+
+
+HI = [{"role": "user", "content": "hi"}]
+STREAMS = [("POST /v1/chat/completions", {"messages": HI, "max_tokens": 2, "stream": True}),
+           ("POST /v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}),
+           ("POST /v1/messages", {"messages": HI, "max_tokens": 2, "stream": True}),
+           ("POST /v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True})]
+
+
+@pytest.mark.parametrize("label,body", STREAMS)
+def test_streams_match_the_schema(operations, label, body):
+    """A streamed reply, event by event, is what the schema says (schemathesis reads each server-sent event)."""
+    case = operations[label].Case(body=body, media_type="application/json")
+    response = case.call()
+    assert response.status_code == 200 and "data: " in response.text
+    case.validate_response(response, checks=CHECKS)

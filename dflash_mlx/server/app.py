@@ -2,8 +2,10 @@
 OpenAI's Responses API (/v1/responses, in server/responses_format.py), plus /health (GET and HEAD) and /metrics.
 Handlers validate and tokenize, queue a job on the worker, and format its events.
 
-Every body's text is checked first (`schemas.check_text`: no lone surrogates, at most 8 bytes per token of the
-model's context plus 16 KiB), and prompts are rendered and tokenized on a thread, so a big prompt neither stalls
+Before a route runs, server/guard.py checks the API key and the body (JSON, its size and depth) and answers
+failures nobody foresaw; server/openapi.py publishes the schema. Then every body's text is checked
+(`schemas.check_text`: no lone surrogates, at most 8 bytes per token of the model's context plus 16 KiB), and
+prompts are rendered and tokenized on a thread, so a big prompt neither stalls
 /health nor reaches the tokenizer when it could not fit anyway. On shutdown (`Server.begin_shutdown`, called by the
 uvicorn server in server/__init__.py) the running generation stops at its next verify pass, so a stream in flight
 ends with its final chunk and [DONE].

@@ -62,6 +62,7 @@ REPLIES: Dict[str, Dict[str, Any]] = {
                       running=_INT),
     "ServerInfo": _object(["name", "version", "endpoints"], name=_STR, version=_STR,
                           endpoints={"type": "array", "items": _STR}),
+    "ServerSentEvent": _object(["data"], event=_STR, data=_STR),
     "OpenAIError": OPENAI_ERROR,
     "AnthropicError": ANTHROPIC_ERROR,
 }
@@ -109,8 +110,8 @@ def _responses(path: str, method: str, reply, statuses, streams: bool) -> Dict[s
             content["text/plain"] = {"schema": _STR}
         elif reply is not None:
             content["application/json"] = {"schema": _ref(reply)}
-        if streams:
-            content["text/event-stream"] = {"schema": _STR}
+        if streams:  # each event: `event:` (named events; Anthropic's, Responses') and `data:` (JSON, or [DONE])
+            content["text/event-stream"] = {"schema": _ref("ServerSentEvent")}
         out["200"] = {"description": "the reply" + (" (server-sent events with stream: true)" if streams else ""),
                       **({"content": content} if content else {})}
     return out
