@@ -2,6 +2,9 @@
 selector) and a DSpark drafter with a confidence head (Markov walk, cut blocks) serve concurrent batched requests
 and a chat session on a tokenized tiny target, each reply equal to the target's plain greedy decoding."""
 
+import threading
+import time
+
 import httpx
 import mlx_lm
 import mlx.core as mx
@@ -60,12 +63,37 @@ def _dspark(model, tokenizer):
 FAMILIES = {"dflash2": _dflash2, "dspark": _dspark}
 
 
+def _all_at_once(app, base, jobs):
+    """Run `jobs` [(ids, max_tokens, options)] with the worker held until every one is queued, so all three start
+    in the same round and share their verify passes whatever the machine's load. Returns the replies' texts."""
+    from test_server_batching import _complete
+
+    worker = app.state.server.worker
+    gate = threading.Event()
+    held = worker.call_soon(lambda: gate.wait(120))  # runs on the worker thread: no job starts meanwhile
+    out = [None] * len(jobs)
+
+    def one(i):
+        out[i] = _complete(base, *jobs[i][:2], **jobs[i][2])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while worker.waiting < len(jobs) and time.monotonic() < deadline:  # a wait for a state, not a timing claim
+        time.sleep(0.01)
+    assert worker.waiting == len(jobs), "the requests were not all queued"
+    gate.set()
+    held.result(120)
+    for t in threads:
+        t.join(180)
+    return out
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_batched_server_replies_are_plain_greedy(target, family):
-    """Three requests sharing verify passes (the first is under way when the others arrive): each reply is mlx-lm's
+    """Three requests sharing verify passes (all queued before the worker takes any): each reply is mlx-lm's
     plain greedy reply."""
-    from test_server_batching import _concurrent
-
     model, tokenizer = target
     drafter = FAMILIES[family](model, tokenizer)
     walks = []
@@ -75,7 +103,7 @@ def test_batched_server_replies_are_plain_greedy(target, family):
     app = create_app(model, tokenizer, drafter, ServerSettings(model_name="tiny", max_batch=4))
     running = start_in_thread(app)
     try:
-        assert _concurrent(running.base, jobs) == want
+        assert _all_at_once(app, running.base, jobs) == want
         assert max(app.state.server.worker.generator.batch.sizes) >= 2  # passes were shared
         assert walks  # the drafter ran
     finally:

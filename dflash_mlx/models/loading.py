@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import weakref
 from pathlib import Path
 from typing import Optional, Tuple, Union
@@ -49,6 +50,29 @@ def check_family(local: Path, shown: str, unreadable: str = "has an unreadable c
                           f"{', '.join(supported_model_types())}")
 
 
+TRUST_REMOTE_CODE = "DFLASH_MLX_TRUST_REMOTE_CODE"  # set to 1: load checkpoints that bring their own Python code
+
+
+def trusts_remote_code() -> bool:
+    return os.environ.get(TRUST_REMOTE_CODE, "").strip().lower() in ("1", "true", "yes")
+
+
+def check_remote_code(local: Path, shown: str) -> None:
+    """Refuse a checkpoint that asks to run its own Python code (`auto_map` in config.json or
+    tokenizer_config.json) unless the user opted in: loading a model must not run code a stranger wrote."""
+    if trusts_remote_code():
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            config = json.loads((local / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("auto_map"):
+            raise DFlashError(f"target '{shown}' asks to run its own Python code ('auto_map' in {name}); dflash-mlx "
+                              f"does not run a checkpoint's code unless told to: set {TRUST_REMOTE_CODE}=1 if you "
+                              "trust its author")
+
+
 def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
                 revision: Optional[str] = None) -> Tuple[nn.Module, TokenizerWrapper]:
     """mlx-lm's loader for a local model directory or a hub repo id, with one-line errors."""
@@ -68,7 +92,11 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
         raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
     if local.exists():
         check_family(local, path_or_repo)
+        check_remote_code(local, path_or_repo)
         check_model_dir(local)  # 0-byte or truncated weights: name the file before mlx reads it
+    # A tokenizer's own code runs only when the user says so (mlx-lm would let transformers run it).
+    tokenizer_config = dict(tokenizer_config or {})
+    tokenizer_config.setdefault("trust_remote_code", trusts_remote_code())
     try:
         return mlx_lm_load(str(local) if local.exists() else path_or_repo, tokenizer_config=tokenizer_config,
                            revision=revision)

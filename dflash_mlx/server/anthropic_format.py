@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import prompts
-from .errors import APIError, ContextTooLong
+from .errors import APIError, ContextTooLong, json_kind
 from .generation import Delta, Outcome
 from .openai_format import dflash_field
 from .schemas import AnthropicCountRequest, AnthropicRequest
@@ -27,8 +27,17 @@ STOP_REASONS = {"length": "max_tokens", "cancelled": "end_turn"}
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
+    """A system prompt's or a tool result's content as text: a string, or its text blocks (images and other
+    blocks are left out); null is empty. Anything else is a 400 naming the field."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise APIError(400, f"'{where}' must be a string or an array of content blocks, got {json_kind(content)}",
+                       param=where)
+    for i, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise APIError(400, f"'{where}.{i}' must be a content block, {{\"type\": \"text\", \"text\": \"...\"}}, "
+                                f"got {json_kind(block)}", param=f"{where}.{i}")
     return prompts.text_of([b for b in content if b.get("type") == "text"], where)
 
 
@@ -42,13 +51,13 @@ def chat_messages(body) -> List[Dict[str, Any]]:
         raise APIError(400, "'messages' is empty: send at least one message", param="messages")
     for i, m in enumerate(body.messages):
         if m.role == "system":
-            out.append({"role": "system", "content": _text(m.content, f"messages.{i}")})
+            out.append({"role": "system", "content": _text(m.content, f"messages.{i}.content")})
             continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
         texts, calls = [], []
-        for block in m.content:
+        for j, block in enumerate(m.content):
             kind = block.get("type")
             if kind == "text":
                 texts.append(str(block.get("text", "")))
@@ -56,14 +65,14 @@ def chat_messages(body) -> List[Dict[str, Any]]:
                 calls.append({"id": block.get("id"), "type": "function",
                               "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
             elif kind == "tool_result" and m.role == "user":
-                result = block.get("content", "")
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": result if isinstance(result, str) else _text(result, f"messages.{i}")})
+                            "content": _text(block.get("content"), f"messages.{i}.content.{j}.content")})
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # templates drop earlier reasoning
             else:
-                raise APIError(400, f"messages.{i}: content blocks of type '{kind}' are not supported",
-                               param=f"messages.{i}.content")
+                raise APIError(400, f"'messages.{i}.content.{j}': content blocks of type {kind!r} are not supported "
+                                    f"in a{'n' if m.role == 'assistant' else ''} {m.role} message",
+                               param=f"messages.{i}.content.{j}")
         if texts or calls:
             message: Dict[str, Any] = {"role": m.role, "content": "".join(texts)}
             if calls:
@@ -161,10 +170,13 @@ class MessagesFormatter:
         self.open = None
         return events + [_event("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
 
-    def start(self) -> List[str]:
+    def start(self, first=None) -> List[str]:
+        """The opening event; `first` (the generation's first event) tells how much of the prompt was cached."""
+        cached = getattr(first, "cached_tokens", 0) or 0
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+                   "usage": {"input_tokens": self.prompt_tokens - cached, "cache_read_input_tokens": cached,
+                             "cache_creation_input_tokens": 0, "output_tokens": 0}}
         return [_event("message_start", {"type": "message_start", "message": message})]
 
     def events(self, delta: Delta) -> List[str]:
@@ -234,7 +246,7 @@ def add_routes(app, server, authorize) -> None:
             outcome = await collect(job, request, event, fmt.events)
             return Response(status_code=499) if outcome is None else JSONResponse(fmt.response(outcome))
 
-        return sse_response(job, event, start=fmt.start, each=fmt.events, finish=fmt.finish, error=_stream_error)
+        return sse_response(job, event, start=lambda: fmt.start(event), each=fmt.events, finish=fmt.finish, error=_stream_error)
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
     async def count_tokens(body: AnthropicCountRequest):

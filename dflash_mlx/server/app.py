@@ -2,8 +2,10 @@
 OpenAI's Responses API (/v1/responses, in server/responses_format.py), plus /health (GET and HEAD) and /metrics.
 Handlers validate and tokenize, queue a job on the worker, and format its events.
 
-Every body's text is checked first (`schemas.check_text`: no lone surrogates, at most 8 bytes per token of the
-model's context plus 16 KiB), and prompts are rendered and tokenized on a thread, so a big prompt neither stalls
+Before a route runs, server/guard.py checks the API key and the body (JSON, its size and depth) and answers
+failures nobody foresaw; server/openapi.py publishes the schema. Then every body's text is checked
+(`schemas.check_text`: no lone surrogates, at most 8 bytes per token of the model's context plus 16 KiB), and
+prompts are rendered and tokenized on a thread, so a big prompt neither stalls
 /health nor reaches the tokenizer when it could not fit anyway. On shutdown (`Server.begin_shutdown`, called by the
 uvicorn server in server/__init__.py) the running generation stops at its next verify pass, so a stream in flight
 ends with its final chunk and [DONE].
@@ -24,7 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from . import anthropic_format, errors, prompts, responses_format
+from . import anthropic_format, errors, guard, openapi, prompts, responses_format
 from ..decode.budget import DEFAULT_TREES
 from ..decode.lookup import drafter_model
 from ..decode.sampling import SamplingParams
@@ -36,7 +38,7 @@ from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter
 from .prefix_store import PrefixStore, fingerprint, prepare_folder
 from .responses_store import ResponseStore
-from .schemas import ChatCompletionRequest, CompletionRequest, check_text
+from .schemas import ChatCompletionRequest, CompletionRequest, check_text, text_limit
 from .streaming import collect, first_event, sse_response
 from .text import router_for
 from .tools import openai_tool_choice
@@ -69,6 +71,7 @@ class ServerSettings:
     # their own ids: claude-opus-4-8, gpt-5-codex, a haiku id for side tasks). True: such a request is a 404.
     strict_model_names: bool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    max_body_bytes: Optional[int] = None  # a request body's bound; None: `body_limit(context length)`
 
     def name_after(self, model: str, drafter: Optional[str]) -> "ServerSettings":
         """Fill the names /v1/models reports from the command's target and drafter, where none was set."""
@@ -82,6 +85,17 @@ class ServerSettings:
     def names(self) -> List[str]:
         """Every name the server answers to, the first one first, each once."""
         return list(dict.fromkeys([self.model_name, *self.served_names]))
+
+
+def body_limit(context_length: Optional[int]) -> int:
+    """A request body's bound: four times the text the context may hold (JSON escapes a CJK character in 6
+    bytes, a newline in 2), and never under 8 MiB (tool results, images a route refuses by name)."""
+    text = text_limit(context_length)
+    return max(MIN_BODY_BYTES, 4 * text) if text is not None else DEFAULT_BODY_BYTES
+
+
+MIN_BODY_BYTES = 8 << 20
+DEFAULT_BODY_BYTES = 64 << 20  # a model whose config gives no context
 
 
 def context_length_of(model) -> Optional[int]:
@@ -113,6 +127,7 @@ class Server:
         self.metrics = Metrics()
         self.worker = Worker(self.generator, settings.max_queue, self.metrics, on_exit=self.generator.persist)
         self.context_length = settings.context_length or context_length_of(model)
+        self.max_body_bytes = settings.max_body_bytes or body_limit(self.context_length)
         self.vocab_size = self.generator.target.vocab_size
         self.created = int(time.time())
         self._unlisted: set = set()  # names asked for that the server does not list (each logged once)
@@ -151,9 +166,10 @@ class Server:
     def generation_request(self, prompt: prompts.Prompt, body, max_tokens: Optional[int], stop: List[str],
                            logprobs: bool = False, top_logprobs: int = 0) -> GenerationRequest:
         if getattr(body, "n", 1) != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+            raise APIError(400, f"'n' must be 1 (one reply per request), got {body.n!r}; send one request per reply",
+                           param="n")
         if max_tokens is not None and max_tokens <= 0:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+            raise APIError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
         n = len(prompt.tokens)
         if n == 0:
             raise APIError(400, "the prompt is empty", param="messages")
@@ -175,7 +191,10 @@ class Server:
         penalty = getattr(body, "repetition_penalty", None)
         if penalty is not None:
             sampling["repetition_penalty"] = penalty
-            sampling["repetition_context_size"] = getattr(body, "repetition_context_size", None) or 20
+            # Past the context it means "all of it"; MLX slices with 32-bit indices.
+            sampling["repetition_context_size"] = min(getattr(body, "repetition_context_size", None) or 20,
+                                                      self.context_length or MAX_REPETITION_CONTEXT,
+                                                      MAX_REPETITION_CONTEXT)
         bias = getattr(body, "logit_bias", None)
         if bias:
             sampling["logits_processors"] = make_logits_processors(logit_bias=self._logit_bias(bias))
@@ -190,7 +209,7 @@ class Server:
             except ValueError:
                 token = -1
             if not 0 <= token < self.vocab_size:
-                raise APIError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                raise APIError(400, f"'logit_bias' keys must be token ids in [0, {self.vocab_size}), got {key!r}",
                                param="logit_bias")
             out[token] = float(value)
         return out
@@ -215,12 +234,13 @@ class Server:
 
 
 NO_CONTEXT_MAX_TOKENS = 32768  # the limit of a request that sets none, for a model whose config gives no context
-MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+MAX_SEED = 2**64 - 1
+MAX_REPETITION_CONTEXT = 2**31 - 1  # mx.random.key takes an unsigned 64-bit seed
 
 
 def _seed(seed):
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise APIError(400, f"seed must be an integer from 0 to 2**64-1, got {seed!r}", param="seed")
+        raise APIError(400, f"'seed' must be an integer from 0 to 2**64-1, got {seed!r}", param="seed")
     return seed
 
 
@@ -295,11 +315,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         key = settings.api_key
         if not key:
             return
-        given = request.headers.get("x-api-key") or ""
-        auth = request.headers.get("authorization") or ""
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not hmac.compare_digest(guard.given_key(request.headers).encode(), key.encode()):
             raise APIError(401, "invalid API key: send 'Authorization: Bearer KEY' with the server's --api-key",
                            type="authentication_error", code="invalid_api_key")
 
@@ -309,6 +325,11 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         route = scope.get("route")
         server.metrics.record_request(getattr(route, "path", None) or "unmatched", status)
 
+    # Outermost last: the counter sees every answer; the last resort, every failure; the key is checked before
+    # a body is read.
+    app.add_middleware(guard.BodyCheck, max_bytes=server.max_body_bytes)
+    app.add_middleware(guard.KeyCheck, key=settings.api_key)
+    app.add_middleware(guard.LastResort)
     app.add_middleware(RequestCounter, on_response=count_request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes
@@ -374,7 +395,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         server.check_body(body)
         name = server.check_model(body.model)
         if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+            raise APIError(400, "'echo' is not supported (the reply holds the completion only); leave it out or false", param="echo")
         if isinstance(body.prompt, list) and all(isinstance(t, int) for t in body.prompt):
             server.check_length(len(body.prompt))  # before decoding them all
         prompt = await asyncio.to_thread(prompts.text_prompt, server.tokenizer, body.prompt, server.vocab_size)
@@ -388,6 +409,7 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
     anthropic_format.add_routes(app, server, authorize)
     app.state.responses = ResponseStore()
     responses_format.add_routes(app, server, authorize, app.state.responses)
+    openapi.install(app)
     return app
 
 

@@ -62,6 +62,7 @@ class Delta:
     text: str
     tokens: List[int]
     logprobs: Optional[List[TokenLogprob]] = None
+    cached_tokens: int = 0  # of the prompt, read from the prefix cache
 
 
 @dataclass
@@ -263,7 +264,7 @@ class Generator:
                         finish = "length"
                         break
                 logprobs = self._logprobs(p.logits, tokens, req.top_logprobs) if req.logprobs else None
-                yield Delta(text, tokens, logprobs)
+                yield Delta(text, tokens, logprobs, cached)
                 if finish is None and should_stop():
                     finish = "cancelled"
                 if finish is not None:

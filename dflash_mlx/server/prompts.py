@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .errors import APIError
+from .errors import APIError, json_kind
 from .tokenizer_lock import tokenizer_lock
 from .tools import ForcedStart, ToolChoice, forced_start
 
@@ -21,19 +21,26 @@ class Prompt:
 
 
 def text_of(content: Any, where: str) -> str:
-    """Message content as text: a string, or a list of text parts (other parts are refused)."""
+    """Message content as text: null, a string, or a list of text parts ({"type": "text", "text": ...}); anything
+    else is a 400 naming the field."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"'{where}' must be a string or an array of text parts, got {json_kind(content)}",
+                       param=where)
     parts = []
-    for part in content:
-        kind = part.get("type")
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
             parts.append(part["text"])
+        elif not isinstance(part, dict):
+            raise APIError(400, f"'{where}.{i}' must be a text part, {{\"type\": \"text\", \"text\": \"...\"}}, got "
+                                f"{json_kind(part)}", param=f"{where}.{i}")
         else:
-            raise APIError(400, f"{where}: content parts of type '{kind}' are not supported (text only)",
-                           param=where)
+            raise APIError(400, f"'{where}.{i}': content parts of type {kind!r} are not supported (text only, "
+                                "with its 'text' a string)", param=where)
     return "".join(parts)
 
 
@@ -47,13 +54,16 @@ def _arguments(args: Any) -> Any:
     return args
 
 
+ROLES = {"developer": "system", "function": "tool"}  # the chat templates' names for the roles OpenAI added
+
+
 def openai_messages(messages) -> List[Dict[str, Any]]:
     """Pydantic chat messages -> the dicts chat templates expect."""
     if not messages:
         raise APIError(400, "'messages' is empty: send at least one message", param="messages")
     out = []
     for i, m in enumerate(messages):
-        d: Dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+        d: Dict[str, Any] = {"role": ROLES.get(m.role, m.role),
                              "content": text_of(m.content, f"messages.{i}.content")}
         if m.name:
             d["name"] = m.name
@@ -156,7 +166,7 @@ def text_prompt(tokenizer, prompt: Any, vocab: int) -> Prompt:
 
 
 def _text_prompt(tokenizer, prompt: Any, vocab: int) -> Prompt:
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported (n=1)", param="prompt")
         prompt = prompt[0]

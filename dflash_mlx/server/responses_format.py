@@ -134,6 +134,7 @@ class ResponsesFormatter:
         self.items: List[Dict[str, Any]] = []
         self.open: Optional[str] = None  # type of the item being streamed ("message" or "reasoning")
         self.sequence = 0
+        self.cut = False  # the reply ran into max_output_tokens: its last message is `incomplete`, as OpenAI's
 
     def _event(self, kind: str, **data) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **data}
@@ -169,7 +170,7 @@ class ResponsesFormatter:
         part = item["content"][0]
         events = []
         if self.open == "message":
-            item["status"] = "completed"
+            item["status"] = "incomplete" if self.cut else "completed"
             events.append(self._event("response.output_text.done", **where, content_index=0, text=part["text"],
                                       logprobs=[]))
             events.append(self._event("response.content_part.done", **where, content_index=0, part=dict(part)))
@@ -256,6 +257,7 @@ class ResponsesFormatter:
         return self._add(self.router.feed(delta.text))
 
     def finish(self, outcome: Outcome) -> List[str]:
+        self.cut = outcome.finish_reason == "length"
         events = self._add(self.router.feed("", final=True)) + self._close()
         obj = self.object(outcome)
         kind = "response.incomplete" if obj["status"] == "incomplete" else "response.completed"
@@ -300,7 +302,7 @@ def add_routes(app, server, authorize, store: ResponseStore) -> None:
         name = server.check_model(body.model)
         _check_text_format(body)
         if body.max_output_tokens is not None and body.max_output_tokens <= 0:
-            raise APIError(400, f"max_output_tokens must be at least 1, got {body.max_output_tokens}",
+            raise APIError(400, f"'max_output_tokens' must be at least 1, got {body.max_output_tokens}",
                            param="max_output_tokens")
         history = stored(body.previous_response_id, "previous_response_id").messages \
             if body.previous_response_id else []

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import APIError
+from .errors import APIError, json_kind
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -72,7 +72,11 @@ class ToolSet:
                 namespace = tool.get("name")
                 if not isinstance(namespace, str) or not namespace:
                     raise APIError(400, f"{where} has no 'name': give each namespace a name", param=f"{where}.name")
-                for j, member in enumerate(tool.get("tools") or []):
+                members = tool.get("tools") or []
+                if not isinstance(members, list):
+                    raise APIError(400, f"'{where}.tools' must be an array of function tools, got "
+                                        f"{json_kind(members)}", param=f"{where}.tools")
+                for j, member in enumerate(members):
                     if isinstance(member, dict) and member.get("type", "function") == "function":
                         out._add_function(member, namespace, f"{where}.tools.{j}")
                     else:

@@ -7,15 +7,26 @@ a 400 in OpenAI's error shape.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import APIError, ContextTooLong
 
 
 class _Lenient(BaseModel):
+    """Unknown fields allowed; a null for one of `NULL_IS_DEFAULT` (OpenAI's spec lets clients send null for
+    them) is read as the field's default."""
+
     model_config = ConfigDict(extra="allow")
+    NULL_IS_DEFAULT: ClassVar[Tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (v is None and k in cls.NULL_IS_DEFAULT)}
+        return data
 
 
 class StreamOptions(_Lenient):
@@ -34,7 +45,8 @@ class ToolCall(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": the result of a call in OpenAI's older function-calling form (read as a tool message)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None
@@ -53,16 +65,18 @@ class _Sampling(_Lenient):
     repetition_context_size: Optional[int] = Field(default=None, ge=1)
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
-    stream: bool = False
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    n: int = 1
+    n: Optional[int] = 1
     logit_bias: Optional[Dict[str, float]] = None
+
+    NULL_IS_DEFAULT: ClassVar[Tuple[str, ...]] = ("stream", "n", "logprobs", "echo")
 
 
 class ChatCompletionRequest(_Sampling):
     messages: List[ChatMessage]
     max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
@@ -70,9 +84,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, List[int], List[str]]
+    prompt: Union[str, List[int], List[str], List[List[int]]]  # a list holds one prompt (n=1)
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: Optional[bool] = False
 
 
 class AnthropicMessage(_Lenient):
@@ -90,10 +104,12 @@ class AnthropicRequest(_Lenient):
     temperature: Optional[float] = Field(default=None, ge=0)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
-    stream: bool = False
+    stream: Optional[bool] = False
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
+
+    NULL_IS_DEFAULT: ClassVar[Tuple[str, ...]] = ("stream",)
 
 
 class AnthropicCountRequest(_Lenient):
@@ -111,21 +127,23 @@ class ResponsesRequest(_Lenient):
     input: Union[str, List[Dict[str, Any]]]
     instructions: Optional[str] = None
     previous_response_id: Optional[str] = None
-    store: bool = True
+    store: Optional[bool] = True
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = Field(default=None, ge=0)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
     seed: Optional[int] = None
-    stream: bool = False
+    stream: Optional[bool] = False
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Optional[bool] = True
     metadata: Optional[Dict[str, Any]] = None
     text: Optional[Dict[str, Any]] = None
     reasoning: Optional[Dict[str, Any]] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    NULL_IS_DEFAULT: ClassVar[Tuple[str, ...]] = ("store", "stream", "parallel_tool_calls")
 
 
 # A prompt's text may take this many UTF-8 bytes per token of the model's context, plus the margin, before it is
@@ -140,36 +158,51 @@ def text_limit(context_length: Optional[int]) -> Optional[int]:
     return None if context_length is None else context_length * BYTES_PER_TOKEN + BYTES_MARGIN
 
 
+# The fields that become the prompt: when these hold the bulk of a request over the limit, the prompt is too long
+# for the context; when others do (metadata, stop, logit_bias...), that field is too big.
+PROMPT_FIELDS = ("messages", "input", "prompt", "system", "instructions", "tools")
+
+
 def check_text(body: BaseModel, context_length: Optional[int]) -> None:
     """Refuse a body (every field, unknown ones and dict keys included) that holds a lone surrogate, or whose text
-    is over `text_limit(context_length)` bytes of UTF-8, with a 400; numbers count as their decimal digits.
+    is over `text_limit(context_length)` bytes of UTF-8, with a 400 (or a 413 naming the field, when the bulk
+    is not the prompt's); numbers count as their decimal digits.
 
     JSON lets a client escape half of a surrogate pair ("\\ud800"); Python keeps it, and the tokenizer, the
     chat template or the UTF-8 response would fail on it later with a 500. The size is checked here because
     rendering and tokenizing a 10 MB prompt takes seconds and gigabytes before its token count can refuse it.
     """
     limit = text_limit(context_length)
-    total = 0
-    stack: List[tuple] = [(body.model_dump(), "")]
+    sizes: Dict[str, int] = {}  # bytes of text under each top-level field
+    stack: List[tuple] = [(body.model_dump(), "", "")]
     while stack:
-        value, where = stack.pop()
+        value, where, top = stack.pop()
+        size = 0
         if isinstance(value, dict):
             for key, item in value.items():
                 path = f"{where}.{key}" if where else str(key)
                 if isinstance(key, str):
-                    total += _utf8_bytes(key, where or "body", key=True)
-                stack.append((item, path))
+                    size += _utf8_bytes(key, where or "body", key=True)
+                stack.append((item, path, top or str(key)))
         elif isinstance(value, (list, tuple)):
-            stack.extend((item, f"{where}.{i}") for i, item in enumerate(value))
+            stack.extend((item, f"{where}.{i}", top) for i, item in enumerate(value))
         elif isinstance(value, str):
-            total += _utf8_bytes(value, where)
+            size = _utf8_bytes(value, where)
         elif isinstance(value, (int, float)):
-            total += len(repr(value))
-        if limit is not None and total > limit:
-            raise ContextTooLong(f"the request holds more than {limit} bytes of text, more than this model's "
-                                 f"{context_length}-token context can take ({BYTES_PER_TOKEN} bytes per token, plus "
-                                 f"{BYTES_MARGIN // 1024} KiB); shorten the messages", None, context_length,
-                                 param=None)
+            size = len(repr(value))
+        sizes[top] = sizes.get(top, 0) + size
+    total = sum(sizes.values())
+    if limit is None or total <= limit:
+        return
+    bulk = max(sizes, key=sizes.get)
+    if bulk in PROMPT_FIELDS:
+        raise ContextTooLong(f"the request holds more than {limit} bytes of text, more than this model's "
+                             f"{context_length}-token context can take ({BYTES_PER_TOKEN} bytes per token, plus "
+                             f"{BYTES_MARGIN // 1024} KiB); shorten the messages", None, context_length,
+                             param=None)
+    raise APIError(413, f"'{bulk}' holds {sizes[bulk]} bytes, and the request {total}, over the {limit} bytes of text "
+                        f"this server takes in a request (for its {context_length}-token context); send less in "
+                        f"'{bulk}'", param=bulk, code="request_too_large")
 
 
 def _utf8_bytes(text: str, where: str, key: bool = False) -> int:

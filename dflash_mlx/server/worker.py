@@ -19,12 +19,16 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Iterator, List, Optional, Tuple
 
 from .errors import APIError
 from .generation import GenerationRequest, Generator, Outcome, PrefillProgress
 
 logger = logging.getLogger("dflash_mlx.server")
+
+
+POLL_SECONDS = 0.1  # how often a waiting handler asks whether its client is still there
 
 
 class QueueFull(Exception):
@@ -41,6 +45,7 @@ class Job:
         self.loop = loop
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._polled = time.monotonic()  # when the client was last asked whether it is still there
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -57,19 +62,29 @@ class Job:
 
     async def next(self, request=None):
         """The next Delta or the Outcome; a generation error is raised here. With `request`, the client is polled
-        while waiting, and a client that left cancels the job (raises `ClientGone`)."""
+        (at most every `POLL_SECONDS`, whether or not events keep coming: a fast generation never leaves the
+        queue empty), and a client that left cancels the job (raises `ClientGone`)."""
+        if request is not None and time.monotonic() - self._polled >= POLL_SECONDS:
+            await self._check(request)
         getter = asyncio.ensure_future(self._events.get())
         while True:
-            done, _ = await asyncio.wait({getter}, timeout=0.25 if request is not None else None)
+            done, _ = await asyncio.wait({getter}, timeout=POLL_SECONDS if request is not None else None)
             if done:
                 item = getter.result()
                 if isinstance(item, BaseException):
                     raise item
                 return item
-            if await request.is_disconnected():
+            try:
+                await self._check(request)
+            except ClientGone:
                 getter.cancel()
-                self.cancel()
-                raise ClientGone()
+                raise
+
+    async def _check(self, request) -> None:
+        self._polled = time.monotonic()
+        if await request.is_disconnected():
+            self.cancel()
+            raise ClientGone()
 
 
 class _Chore:
