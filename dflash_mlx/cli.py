@@ -280,12 +280,20 @@ def _agent_command(name: str):
         quant: Optional[str] = QUANT_OPTION,
         url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
         api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
+        prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="Where the started "
+                                                       "server keeps its prefix cache between sessions (default: "
+                                                       "prompt-cache/<model> in dflash-mlx's cache folder; 'off': "
+                                                       "nowhere)."),
+        prompt_cache_dir_bytes: str = typer.Option("8GiB", "--prompt-cache-dir-bytes", help="Disk budget of "
+                                                   "--prompt-cache-dir: its least recently used entries go beyond "
+                                                   "it."),
     ):
         from . import agents
 
         client = {"claude": agents.CLAUDE, "codex": agents.CODEX}[name]
         raise typer.Exit(agents.launch(client, list(ctx.args), model=model, draft=draft, quant=quant, url=url,
-                                       api_key=api_key))
+                                       api_key=api_key, prompt_cache_dir=prompt_cache_dir,
+                                       prompt_cache_dir_bytes=prompt_cache_dir_bytes))
 
     return app.command(name, context_settings=AGENT_CONTEXT, help=AGENT_HELP[name])(command)
 
