@@ -27,8 +27,24 @@ ROUTES = ("/v1/responses", "/v1/messages", "/v1/chat/completions")
 
 
 def load_session(folder: Path) -> List[Dict[str, Any]]:
-    records = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
-    return [r for r in records if r.get("method") == "POST" and r.get("path") in ROUTES]
+    """The session's generation requests in order; a missing folder or a file that is not a recorded request is
+    one line (SystemExit) naming it, before any model is loaded."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SystemExit(f"error: {folder}: no such session folder; give a folder of requests recorded by "
+                         "tests/agents/recorder.py (e.g. benchmarks/sessions/codex-stats-median)")
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise SystemExit(f"error: {path} is not a recorded request ({e}); record the session again or move "
+                             "the file out of the folder") from None
+        records.append(record)
+    return [r for r in records if r.get("method") == "POST" and r.get("path") in ROUTES
+            and isinstance(r.get("body"), dict)]
 
 
 def _events(text: str):
@@ -142,7 +158,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     records = load_session(args.session)
     if not records:
-        raise SystemExit(f"no recorded generation requests in {args.session}")
+        raise SystemExit(f"error: no recorded generation requests in {args.session} (files NNN_POST_v1_*.json as "
+                         "tests/agents/recorder.py writes them)")
     from dflash_mlx import load
 
     model, tokenizer, drafter = load(args.model, args.draft)

@@ -233,22 +233,31 @@ def serve(
                                                           "ids, e.g. claude-opus-4-8) are served by this one."),
     strict_model_names: bool = typer.Option(False, "--strict-model-names", help="Answer requests naming a model "
                                             "other than the served names with a 404 instead."),
+    prefill_step_size: Optional[int] = typer.Option(None, "--prefill-step-size", min=1, help="Prompt tokens per "
+                                                    "prefill chunk (default 2048). A request whose client left, or "
+                                                    "a server told to stop, stops between two chunks: smaller "
+                                                    "chunks stop sooner and let other requests' tokens through "
+                                                    "sooner; larger ones prefill a little faster."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
     tree_budget: Optional[str] = TREE_BUDGET_OPTION,
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
     options = dict(locals())
     options["tree_budget"] = tree_budget_value(tree_budget)
+    options.pop("prefill_step_size")
     from . import distributed
 
     if options.pop("pipeline") or distributed.launched():  # under mlx.launch: rank 0 serves, every rank generates
         from .distributed.serving import serve_from_cli
 
+        if prefill_step_size is not None:
+            raise DFlashError("--prefill-step-size is not supported when the target is split over ranks; serve "
+                              "without it")
         serve_from_cli(pipeline=pipeline, **options)
     else:
         from .server import serve_from_cli
 
-        serve_from_cli(**options)
+        serve_from_cli(prefill_step_size=prefill_step_size, **options)
 
 
 AGENT_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -271,12 +280,20 @@ def _agent_command(name: str):
         quant: Optional[str] = QUANT_OPTION,
         url: Optional[str] = typer.Option(None, "--url", help=URL_HELP),
         api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
+        prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="Where the started "
+                                                       "server keeps its prefix cache between sessions (default: "
+                                                       "prompt-cache/<model> in dflash-mlx's cache folder; 'off': "
+                                                       "nowhere)."),
+        prompt_cache_dir_bytes: str = typer.Option("8GiB", "--prompt-cache-dir-bytes", help="Disk budget of "
+                                                   "--prompt-cache-dir: its least recently used entries go beyond "
+                                                   "it."),
     ):
         from . import agents
 
         client = {"claude": agents.CLAUDE, "codex": agents.CODEX}[name]
         raise typer.Exit(agents.launch(client, list(ctx.args), model=model, draft=draft, quant=quant, url=url,
-                                       api_key=api_key))
+                                       api_key=api_key, prompt_cache_dir=prompt_cache_dir,
+                                       prompt_cache_dir_bytes=prompt_cache_dir_bytes))
 
     return app.command(name, context_settings=AGENT_CONTEXT, help=AGENT_HELP[name])(command)
 

@@ -90,8 +90,8 @@ def test_a_damaged_file_is_skipped(tmp_path):
     (path,) = tmp_path.glob(f"{PREFIX}*{SUFFIX}")
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # the header survives, the tensors do not
-    store = PrefixStore(tmp_path, "pair-a", 1 << 30)
-    assert store.load(store.best(key, len(key))[1]) is None and store.entries == {}
+    store = PrefixStore(tmp_path, "pair-a", 1 << 30)  # cut short: removed as the folder is read
+    assert store.entries == {} and not path.exists()
 
 
 def test_evictions_reach_the_store():

@@ -26,10 +26,13 @@ split over an `mlx.launch` job through `serve_loaded`, wrapping the worker's gen
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import logging
+import os
 import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -86,6 +89,16 @@ def _uvicorn_server(config):
     return _Server(config)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` reaches this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_address(host: str, port: int) -> None:
     """Bind every address uvicorn will bind for host:port (with SO_REUSEADDR, as it does) and let go at once: a port
     in use or a host this machine cannot listen on is one error now rather than after the model has loaded."""
@@ -138,29 +151,56 @@ def start_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str 
 
 
 def serve_loaded(target, tokenizer, drafter, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8080,
-                 log_level: str = "info", on_app: Optional[Callable] = None) -> None:
+                 log_level: str = "info", on_app: Optional[Callable] = None,
+                 prefill_step_size: Optional[int] = None, exit_process: bool = False) -> None:
     """Serve an already loaded pair on host:port until interrupted.
 
     `on_app(app)` runs once the app exists and before it takes a request: the place a caller adjusts it
     (`dflash_mlx.distributed.serving` wraps the worker's generator so that every rank generates in lockstep).
+    Stopping (Ctrl-C, SIGTERM) takes at most a few seconds (`worker.STOP_BY_S`): a prompt chunk still running
+    then is not waited for. With `exit_process` (`dflash-mlx serve`) the process ends as the server does, without
+    the interpreter's teardown (which could abort beside a worker thread MLX still runs on).
     """
-    if host not in LOOPBACK and not settings.api_key:
+    if not is_loopback(host) and not settings.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     app = create_app(target, tokenizer, drafter, settings)
+    if prefill_step_size is not None:
+        app.state.server.generator.prefill_step_size = int(prefill_step_size)
     if on_app is not None:
         on_app(app)
-    _uvicorn_server(_config(app, host, port, log_level)).run()
+    try:
+        _uvicorn_server(_config(app, host, port, log_level)).run()
+    except KeyboardInterrupt:
+        if exit_process:
+            _exit_now(130)
+        raise
+    if exit_process:
+        _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """End the process once the server has stopped, even if the worker thread is still inside a pass MLX cannot
+    interrupt (the files it writes are atomic; a temporary one is cleared at the next start)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def serve(model: str, drafter: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
-          quant: Optional[str] = None, settings: Optional[ServerSettings] = None, log_level: str = "info") -> None:
+          quant: Optional[str] = None, settings: Optional[ServerSettings] = None, log_level: str = "info",
+          prefill_step_size: Optional[int] = None) -> None:
     """Load a target and drafter with `dflash_mlx.load` and serve them until interrupted (one process; under
     `mlx.launch`, `dflash_mlx.distributed.serving.serve_ranks` splits the target over the ranks)."""
     from ..api import load
 
     settings = (settings or ServerSettings()).name_after(model, drafter)
     target, tokenizer, draft = load(model, drafter, quant=quant)
-    serve_loaded(target, tokenizer, draft, settings, host=host, port=port, log_level=log_level)
+    serve_loaded(target, tokenizer, draft, settings, host=host, port=port, log_level=log_level,
+                 prefill_step_size=prefill_step_size, exit_process=True)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -215,9 +255,9 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
 
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
-                   **options) -> None:
+                   prefill_step_size: Optional[int] = None, **options) -> None:
     """`dflash-mlx serve` in one process: check every option (`settings_from_cli`, `check_address`) before loading
     the model, then serve."""
     settings = settings_from_cli(model=model, draft=draft, **options)
     check_address(host, port)
-    serve(model, draft, host=host, port=port, quant=quant, settings=settings)
+    serve(model, draft, host=host, port=port, quant=quant, settings=settings, prefill_step_size=prefill_step_size)

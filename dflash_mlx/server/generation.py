@@ -105,6 +105,14 @@ def _dflash_stats(stats: AcceptanceStats, widths: Dict[int, int], drafted: int, 
     }
 
 
+def cancelled_outcome(prompt_tokens: int, emitted: int, cached: int = 0, prefilled: int = 0, plain: bool = False,
+                      prefill_time: float = 0.0) -> Outcome:
+    """The Outcome of a request stopped before its end (client gone, server stopping), with empty statistics."""
+    summary = _dflash_stats(AcceptanceStats(), {}, 0, 0, plain, 0.0, 0.0, 0, prefilled, prefill_time)
+    summary.update(plain_passes=0, collapsed=False)
+    return Outcome("cancelled", prompt_tokens, emitted, cached, prefilled, summary)
+
+
 class Generator:
     """One loaded target/drafter pair, its tokenizer and the prefix cache."""
 
@@ -166,11 +174,18 @@ class Generator:
                     hit = Hit(snapshot, length)
         return hit
 
-    def persist(self) -> None:
-        """Write every cached entry to the disk store (the server is stopping)."""
-        if self.store is not None:
-            for key, snapshot in self.cache.items():
-                self.store.save(key, snapshot)
+    def persist(self, deadline: Optional[float] = None) -> None:
+        """Write the cached entries the disk store lacks (the server is stopping), the most recently used first;
+        none is started after `deadline` (time.monotonic()), so a stopping server exits in bounded time."""
+        if self.store is None:
+            return
+        entries = [(key, snap) for key, snap in self.cache.items() if tuple(key) not in self.store.entries]
+        for i, (key, snapshot) in enumerate(reversed(entries)):
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("stopping: %d prefix-cache entries (the least recently used) were not written to "
+                               "--prompt-cache-dir in time", len(entries) - i)
+                return
+            self.store.save(key, snapshot)
 
     def _store(self, tokens: List[int], state: DecodeState) -> None:
         if self.cache.max_bytes <= 0 or not tokens:
@@ -209,12 +224,9 @@ class Generator:
             if should_stop():
                 if position > cached:
                     self._store(prompt[:position], state)
-                logger.info("prefill stopped after %d of %d prompt tokens (client gone); kept for a retry",
+                logger.info("prefill stopped after %d of %d prompt tokens (client gone or server stopping); kept for a retry",
                             position, n)
-                summary = _dflash_stats(AcceptanceStats(), {}, 0, 0, self.plain, 0.0, 0.0, 0, position - cached,
-                                        time.perf_counter() - tic)
-                summary.update(plain_passes=0, collapsed=False)
-                yield Outcome("cancelled", n, 0, cached, position - cached, summary)
+                yield cancelled_outcome(n, 0, cached, position - cached, self.plain, time.perf_counter() - tic)
                 return
             self._advance(state, prompt[position : position + step])
             position += step

@@ -2,14 +2,21 @@
 
 Entries the in-memory prefix cache evicts, and every entry it holds when the server stops, are written here; a
 later prompt whose longest cached prefix is on disk (longer than anything in memory) loads it back. One file per
-entry, `prefix-<sha1 of the key>.safetensors`, in mlx-lm's prompt-cache format (`targets.caches`): the target's
-caches, then the drafter's, then the target features still waiting for the drafter (as a one-slot `ArraysCache`),
-with the token key, lengths and the served pair's fingerprint in the metadata. Files of another pair (another
-target or drafter, or the same one converted differently) are left alone and never loaded.
+entry, `prefix-<sha1 of the key>-<sha256 of the file>.safetensors`, in mlx-lm's prompt-cache format
+(`targets.caches`): the target's caches, then the drafter's, then the target features still waiting for the drafter
+(as a one-slot `ArraysCache`), with the token key, lengths and the served pair's fingerprint in the metadata. Files
+of another pair (another target or drafter, or the same one converted differently) are left alone and never loaded.
 
 The folder has its own byte budget: beyond it the least recently used of our own files are deleted (files that
-do not carry our name pattern and metadata are never touched). Files are written through a temporary name and
-renamed, so a crash leaves an old file or none, never half of one; an unreadable file is skipped with a warning.
+do not carry our name pattern and metadata are never touched).
+
+Faults (`durable`): a file is written under a temporary name, flushed, named after its checksum and renamed, so a
+crash at any moment leaves an old file or none, never half of one. At start a file of ours whose header is
+unreadable or whose size is not what its header says is removed (one line for all of them), as are temporary
+files of writers that died; before an entry is loaded its bytes are checked against the checksum in its name,
+and one that fails is skipped and removed with one line. A failed write (a full disk) is one line for a whole run
+of failures, and the request is served anyway; a folder that cannot be written is one line at start, and the
+server reads its entries but stores nothing there.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import hashlib
 import json
 import logging
 import os
-import secrets
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +38,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..errors import DFlashError
 from ..targets.caches import load_prompt_cache, save_prompt_cache
+from .durable import DIGEST_HEX, stale_temporaries, unwritable_reason, verify, write_durably
 from .prefix_cache import Snapshot
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -38,6 +46,7 @@ logger = logging.getLogger("dflash_mlx.server")
 PREFIX = "prefix-"
 SUFFIX = ".safetensors"
 MARK = "dflash_mlx_prefix_entry"  # metadata key that says a file is one of ours
+NAME = re.compile(rf"{PREFIX}([0-9a-f]{{40}})-([0-9a-f]{{{DIGEST_HEX}}}){re.escape(SUFFIX)}")
 
 
 def fingerprint(*modules: Any) -> str:
@@ -60,6 +69,7 @@ class _Stored:
     path: Path
     cuttable: bool
     nbytes: int
+    digest: str  # sha256 of the file's bytes (the end of its name), checked before it is loaded
 
 
 class PrefixStore:
@@ -68,16 +78,53 @@ class PrefixStore:
     def __init__(self, folder: Path, pair: str, max_bytes: int):
         self.folder, self.pair, self.max_bytes = Path(folder), pair, max(0, int(max_bytes))
         self.entries: Dict[Tuple[int, ...], _Stored] = {}
-        self.loads = self.writes = 0
+        self.loads = self.writes = self.write_failures = 0
         self._last_use = 0  # ns: the last time stamp given, so every use gets a later one than the one before
+        reason = unwritable_reason(self.folder)
+        self.writable = reason is None
+        damaged = self._scan()
+        if not self.writable:
+            logger.warning("--prompt-cache-dir %s cannot be written (%s): serving without storing prefixes there%s",
+                           self.folder, reason, f" (its {len(self.entries)} entries are still read)"
+                           if self.entries else "")
+            return
+        for path in damaged + stale_temporaries(self.folder, PREFIX, SUFFIX):
+            _remove(path)
+        if damaged:
+            logger.warning("removed %d damaged prompt cache file(s) from %s (cut short or unreadable)",
+                           len(damaged), self.folder)
+
+    def _scan(self) -> List[Path]:
+        """Read the folder's entries of this pair (headers only); returns our files that are damaged."""
+        damaged: List[Path] = []
+        if not self.folder.is_dir():
+            return damaged
         for path in sorted(self.folder.glob(f"{PREFIX}*{SUFFIX}")):
+            match = NAME.fullmatch(path.name)
+            if match is None:
+                continue  # not one of ours (or written before entries carried their checksum): left alone
             meta = _metadata(path)
-            if meta is None or meta.get(MARK) != "1" or meta.get("pair") != self.pair:
+            if meta is None:
+                damaged.append(path)
                 continue
-            key = tuple(json.loads(meta["key"]))
-            stat = path.stat()
-            self.entries[key] = _Stored(key, path, meta["cuttable"] == "1", stat.st_size)
-            self._last_use = max(self._last_use, stat.st_mtime_ns)
+            if meta.get(MARK) != "1" or meta.get("pair") != self.pair:
+                continue
+            try:
+                key = tuple(int(t) for t in json.loads(meta["key"]))
+                stat = path.stat()
+                stored = _Stored(key, path, meta["cuttable"] == "1", stat.st_size, match.group(2))
+            except (KeyError, ValueError, TypeError, OSError):
+                damaged.append(path)
+                continue
+            older = self.entries.get(key)
+            if older is not None:  # a rewrite cut off before it removed the file it replaces: keep the newer
+                if older.path.stat().st_mtime_ns > stat.st_mtime_ns:
+                    older, stored = stored, older
+                if self.writable:
+                    _remove(older.path)
+            self.entries[key] = stored
+            self._last_use = max(self._last_use, stored.path.stat().st_mtime_ns)
+        return damaged
 
     # -- reading -------------------------------------------------------------------------------------------------
     def best(self, tokens: Sequence[int], limit: int) -> Tuple[int, Optional[_Stored]]:
@@ -96,7 +143,11 @@ class PrefixStore:
         return best
 
     def load(self, stored: _Stored) -> Optional[Snapshot]:
-        """The entry as a snapshot, or None (with a warning) when its file cannot be read any more."""
+        """The entry as a snapshot, or None (one warning; the file removed) when its bytes no longer match their
+        checksum or it cannot be read: a damaged file must not fail the request that found it."""
+        if not verify(stored.path, stored.digest):
+            self._discard(stored, "its checksum does not match: damaged or cut short")
+            return None
         try:
             caches, meta = load_prompt_cache(str(stored.path), return_metadata=True)
             n_target, n_draft = int(meta["targets"]), int(meta["drafts"])
@@ -104,19 +155,24 @@ class PrefixStore:
             draft = caches[n_target: n_target + n_draft] if n_draft >= 0 else None
             pending = caches[-1].cache[0] if meta["pending"] == "1" else None
             snapshot = Snapshot(target, draft, pending, int(meta["length"]), int(meta["nbytes"]), stored.cuttable)
-        except Exception as e:  # a damaged or foreign file must not fail the request that found it
-            logger.warning("prompt cache file %s could not be read (%s); skipping it", stored.path, e)
-            self.entries.pop(stored.key, None)
+        except Exception as e:
+            self._discard(stored, f"it could not be read ({e})")
             return None
         self._touch(stored.path)  # recently used: the last to be dropped when the folder is over its budget
         self.loads += 1
         return snapshot
 
+    def _discard(self, stored: _Stored, why: str) -> None:
+        logger.warning("prompt cache file %s skipped and removed: %s", stored.path, why)
+        self.entries.pop(stored.key, None)
+        if self.writable:
+            _remove(stored.path)
+
     # -- writing -------------------------------------------------------------------------------------------------
     def save(self, key: Sequence[int], snapshot: Snapshot) -> None:
         """Write (or rewrite) the entry for `key`; a failed write is a warning, never a failed request."""
         key = tuple(int(t) for t in key)
-        if not key or snapshot.nbytes > self.max_bytes:
+        if not self.writable or not key or snapshot.nbytes > self.max_bytes:
             return
         caches: List[Any] = list(snapshot.target) + list(snapshot.draft or [])
         if snapshot.pending is not None:
@@ -127,19 +183,32 @@ class PrefixStore:
                 "targets": str(len(snapshot.target)), "drafts": str(-1 if snapshot.draft is None else len(snapshot.draft)),
                 "pending": "1" if snapshot.pending is not None else "0", "nbytes": str(snapshot.nbytes),
                 "cuttable": "1" if snapshot.cuttable else "0"}
-        path = self.folder / f"{PREFIX}{hashlib.sha1(json.dumps(list(key)).encode()).hexdigest()}{SUFFIX}"
-        tmp = self.folder / f".{PREFIX}{secrets.token_hex(6)}.tmp{SUFFIX}"
+        named = hashlib.sha1(json.dumps(list(key)).encode()).hexdigest()
         try:
-            save_prompt_cache(str(tmp), caches, meta)
-            os.replace(tmp, path)
+            path = write_durably(self.folder, PREFIX, SUFFIX, lambda tmp: save_prompt_cache(str(tmp), caches, meta),
+                                 lambda digest: f"{PREFIX}{named}-{digest}{SUFFIX}")
             self._touch(path)
-        except Exception as e:
-            tmp.unlink(missing_ok=True)
-            logger.warning("could not write the prompt cache entry to %s (%s)", self.folder, e)
+            size = path.stat().st_size
+        except Exception as e:  # a full disk, a folder gone read-only, an I/O error: the request is served anyway
+            self._write_failed(e)
             return
-        self.entries[key] = _Stored(key, path, snapshot.cuttable, path.stat().st_size)
+        if self.write_failures:
+            logger.warning("--prompt-cache-dir %s takes writes again (%d failed before)", self.folder,
+                           self.write_failures)
+            self.write_failures = 0
+        older = self.entries.get(key)
+        if older is not None and older.path != path:
+            _remove(older.path)
+        self.entries[key] = _Stored(key, path, snapshot.cuttable, size, NAME.fullmatch(path.name).group(2))
         self.writes += 1
         self._keep_budget(keep=key)
+
+    def _write_failed(self, error: BaseException) -> None:
+        """One line for the first failed write of a run of them (a full disk fails every write until freed)."""
+        self.write_failures += 1
+        if self.write_failures == 1:
+            logger.warning("could not write a prompt cache entry to %s (%s); requests are still served, and "
+                           "further failures are not logged until a write succeeds", self.folder, error)
 
     def _touch(self, path: Path) -> None:
         """Stamp `path` as used now, strictly after the previous use. The kernel's own "now" (a plain utime or a
@@ -147,10 +216,16 @@ class PrefixStore:
         would be lost; explicit stamps keep it, also across restarts (the order is read back from mtimes)."""
         now = max(time.time_ns(), self._last_use + 1)
         self._last_use = now
-        os.utime(path, ns=(now, now))
+        if self.writable:
+            try:
+                os.utime(path, ns=(now, now))
+            except OSError:  # the order is a hint: a folder that stopped taking writes still serves reads
+                pass
 
     def _keep_budget(self, keep: Tuple[int, ...]) -> None:
         """Delete our least recently used files while the folder's entries exceed the budget."""
+        if not self.writable:
+            return
         def used(stored: _Stored) -> int:
             try:
                 return stored.path.stat().st_mtime_ns
@@ -163,22 +238,34 @@ class PrefixStore:
                 break
             if stored.key == keep:
                 continue
-            stored.path.unlink(missing_ok=True)
+            _remove(stored.path)
             self.entries.pop(stored.key, None)
             total -= stored.nbytes
 
 
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # gone read-only meanwhile: the file stays, and is skipped again next time
+        pass
+
+
 def _metadata(path: Path) -> Optional[Dict[str, str]]:
-    """A prompt-cache file's own metadata, read from its header alone (None if it is not a safetensors file)."""
+    """A prompt-cache file's own metadata, read from its header alone: None if it is not a whole safetensors file
+    (an unreadable header, or a size other than the header's tensors need: cut short or grown)."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             if not 0 < size < (64 << 20):
                 return None
             header = json.loads(f.read(size))
-    except (OSError, ValueError):
+            total = os.fstat(f.fileno()).st_size
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if total != 8 + size + max(ends, default=0):
+        return None
+    meta = header.get("__metadata__")
     if not isinstance(meta, dict):
         return None
     # mlx-lm's prompt-cache files flatten [metadata, cache classes, scalars]: ours is the first.
@@ -186,16 +273,9 @@ def _metadata(path: Path) -> Optional[Dict[str, str]]:
 
 
 def prepare_folder(folder: str) -> Path:
-    """`folder` created if missing and checked writable, or one clear error (before any model is loaded)."""
+    """`folder` as a path, or one clear error when it names a file (before any model is loaded). A folder that
+    cannot be created or written is no error: the store says so in one line and the server runs without it."""
     path = Path(folder).expanduser()
     if path.exists() and not path.is_dir():
         raise DFlashError(f"--prompt-cache-dir {folder}: this is a file; give a folder (it is created if missing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".{PREFIX}{secrets.token_hex(4)}.probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise DFlashError(f"--prompt-cache-dir {folder}: cannot write there ({e.strerror or e}); give a folder "
-                          "this user can write") from None
     return path

@@ -9,7 +9,11 @@ A job whose client went away is `cancel`led: a queued one is skipped, a running 
 passes. More than `max_queue` waiting jobs are refused (the handler answers 503).
 
 `shutdown` (the HTTP server is going down) stops the running job the same way, so its reply still ends with an
-Outcome (finish_reason "cancelled"), and answers the waiting ones with a 503.
+Outcome (finish_reason "cancelled"), and answers the waiting ones with a 503. A pass cannot be interrupted, and a
+long prompt's prefill chunk may outlast the time a stopping server has (a service manager's SIGTERM, uvicorn's
+5 s for responses in flight): `ANSWER_AFTER_S` after shutdown began, a job still waiting on its pass is answered
+by the worker (a 503 before its first event, a cancelled Outcome after), and `stop` waits for the thread (and its
+flush of the prefix cache to disk) only until `STOP_BY_S`.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ import time
 from typing import Callable, Iterator, List, Optional, Tuple
 
 from .errors import APIError
-from .generation import GenerationRequest, Generator, Outcome, PrefillProgress
+from .generation import Delta, GenerationRequest, Generator, Outcome, PrefillProgress, cancelled_outcome
 
 logger = logging.getLogger("dflash_mlx.server")
+
+ANSWER_AFTER_S = 2.5  # shutdown: jobs still waiting on a pass are answered by then (inside uvicorn's 5 s)
+STOP_BY_S = 3.5  # shutdown: the worker's last pass and its flush to disk get this long; the process then exits
 
 
 POLL_SECONDS = 0.1  # how often a waiting handler asks whether its client is still there
@@ -46,6 +53,8 @@ class Job:
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self._polled = time.monotonic()  # when the client was last asked whether it is still there
+        self.emitted = 0  # tokens handed to the client so far
+        self.started = self.ended = False  # an event, the last event (Outcome or error) has been pushed
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -55,6 +64,12 @@ class Job:
         return self._cancelled.is_set()
 
     def push(self, item) -> None:
+        if self.ended:  # answered already (the server stopped before the worker reached this event)
+            return
+        self.started = True
+        self.ended = isinstance(item, (Outcome, BaseException))
+        if isinstance(item, Delta):
+            self.emitted += len(item.tokens)
         try:
             self.loop.call_soon_threadsafe(self._events.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shutting down)
@@ -113,6 +128,8 @@ class Worker:
         self.waiting = 0
         self.running = 0
         self._stopping = False
+        self._stop_began: Optional[float] = None  # time.monotonic() of the first shutdown
+        self._active: List[Tuple[Job, Iterator]] = []  # the running jobs (the worker thread's own list)
         self._thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
         self._thread.start()
 
@@ -141,14 +158,37 @@ class Worker:
         self._queue.put(job)
 
     def shutdown(self) -> None:
-        """Stop the running generations between two verify passes and refuse the waiting ones; returns at once."""
+        """Stop the running generations between two verify passes and refuse the waiting ones; returns at once.
+        A job still waiting on its pass `ANSWER_AFTER_S` later is answered without it."""
+        if self._stopping:
+            return
+        self._stop_began = time.monotonic()
         self._stopping = True
+        timer = threading.Timer(ANSWER_AFTER_S, self._answer_running)
+        timer.daemon = True
+        timer.start()
+
+    def _answer_running(self) -> None:
+        """The server is stopping and a pass outlasts its time (a long prefill chunk): answer the running jobs now,
+        so that their responses end before the HTTP server cancels them. The pass itself finishes unobserved."""
+        for job, _ in list(self._active):
+            if not job.ended:
+                job.push(cancelled_outcome(len(job.request.prompt), job.emitted) if job.started else
+                         APIError(503, "the server is shutting down; retry when it is back", type="server_error"))
+
+    @property
+    def stop_deadline(self) -> Optional[float]:
+        return None if self._stop_began is None else self._stop_began + STOP_BY_S
 
     def stop(self) -> None:
-        """`shutdown`, then end the thread."""
+        """`shutdown`, then end the thread: wait for it (its last pass, its flush to disk) until `STOP_BY_S` after
+        shutdown began; a pass still running then is left behind with one line (the process is exiting)."""
         self.shutdown()
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=max(0.0, self.stop_deadline - time.monotonic()) + 0.25)
+        if self._thread.is_alive():
+            logger.warning("stopping: the worker was still busy %.1f s after shutdown began (a long prompt chunk or "
+                           "a write to disk); not waiting for it, what it had not written is not kept", STOP_BY_S)
 
     def _start(self, job: Job, batched: bool) -> Optional[Iterator]:
         """The job's event iterator, or None when it is answered at once (client gone, shutting down)."""
@@ -193,7 +233,7 @@ class Worker:
         return not isinstance(event, Outcome)
 
     def _loop(self) -> None:
-        active: List[Tuple[Job, Iterator]] = []
+        active = self._active
         closing = False
         while not (closing and not active):
             # Join between passes: new jobs start (and prefill) while there is room; block only when idle.
@@ -221,6 +261,6 @@ class Worker:
                         self.running -= 1
         if self.on_exit is not None:
             try:
-                self.on_exit()
+                self.on_exit(self.stop_deadline)
             except Exception:  # the server is going down anyway: say so, and go
                 logger.exception("the worker's exit task failed")
