@@ -60,6 +60,19 @@ class Delta:
     text: str
     tokens: List[int]
     logprobs: Optional[List[TokenLogprob]] = None
+    # Where each token came from ("drafter", "lookup" or "target": a pass's accepted drafts, then the target's
+    # own token) and the text each token added before stop-string handling; the chat page marks tokens with them.
+    origins: List[str] = field(default_factory=list)
+    segments: List[str] = field(default_factory=list)
+
+
+ORIGIN = {"dflash": "drafter", "lookup": "lookup"}  # a pass's draft source -> the origin of its accepted drafts
+
+
+def origins(p) -> List[str]:
+    """The origin of each token a pass committed: its accepted drafts, then the target's own token."""
+    drafted = ORIGIN.get(p.source, "target")
+    return [drafted if i < p.accepted else "target" for i in range(len(p.tokens))]
 
 
 @dataclass
@@ -255,7 +268,7 @@ class Generator:
                         finish = "length"
                         break
                 logprobs = self._logprobs(p.logits, tokens, req.top_logprobs) if req.logprobs else None
-                yield Delta(text, tokens, logprobs)
+                yield Delta(text, tokens, logprobs, origins(p)[: len(tokens)], list(p.segments[: len(tokens)]))
                 if finish is None and should_stop():
                     finish = "cancelled"
                 if finish is not None:
