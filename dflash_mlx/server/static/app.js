@@ -72,7 +72,7 @@ function renderList() {
     title.addEventListener("click", () => { if (!state.streaming) { state.current = c.id; renderAll(); closeSide(); } });
     const del = document.createElement("button");
     del.className = "icon conv-delete";
-    del.textContent = "🗑";
+    del.textContent = "×";
     del.title = "Delete this conversation";
     del.addEventListener("click", () => {
       if (state.streaming && state.streaming.conversation === c) return;
@@ -431,7 +431,8 @@ function updateButtons() {
 function autosize() {
   const input = $("input");
   input.style.height = "auto";
-  input.style.height = `${Math.min(input.scrollHeight, 240)}px`;
+  input.style.height = `${Math.min(input.scrollHeight + 2, 240)}px`;
+  input.style.overflowY = input.scrollHeight > 240 ? "auto" : "hidden";
 }
 
 function applyOriginToggle() {
