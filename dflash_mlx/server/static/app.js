@@ -151,6 +151,16 @@ function fillBody(body, m) {
   }
   body.innerHTML = Render.renderMarkdown(m.content || "");
   Render.markOrigins(body, m.tokens);
+  if (m.reasoning) {  // a thinking model's reasoning, folded above the answer
+    const details = document.createElement("details");
+    details.className = "reasoning";
+    const summary = document.createElement("summary");
+    summary.textContent = "Reasoning";
+    const text = document.createElement("div");
+    text.textContent = m.reasoning;
+    details.append(summary, text);
+    body.prepend(details);
+  }
 }
 
 function copyText(text) {
@@ -479,6 +489,7 @@ function newChat() {
   $("input").focus();
 }
 
+if (matchMedia("(max-width: 760px)").matches) $("input").placeholder = "Message";  // the hints fit no phone
 load();
 bind();
 renderAll();

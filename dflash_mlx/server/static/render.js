@@ -71,6 +71,11 @@ function markOrigins(root, tokens) {
       for (let k = at; k < Math.min(raw.length, at + 32); k++) {
         if (raw[k] === ch) { found = k; break; }
       }
+      if (found < 0 && i + 4 <= text.length) {
+        // Far ahead (text the body does not show, such as the reply's reasoning): find the next few characters.
+        const k = raw.indexOf(text.slice(i, i + 12), at);
+        if (k >= 0) found = k;
+      }
       let token = last;
       if (found >= 0) { token = owner[found]; at = found + 1; last = token; }
       const run = runs[runs.length - 1];
