@@ -66,12 +66,10 @@ class Delta:
     segments: List[str] = field(default_factory=list)
 
 
-ORIGIN = {"dflash": "drafter", "lookup": "lookup"}  # a pass's draft source -> the origin of its accepted drafts
-
-
 def origins(p) -> List[str]:
-    """The origin of each token a pass committed: its accepted drafts, then the target's own token."""
-    drafted = ORIGIN.get(p.source, "target")
+    """The origin of each token a pass committed: its accepted drafts ("lookup" copies, else the drafter's: DFlash,
+    MTP or a caller's own proposer), then the target's own token (a plain pass accepts no draft)."""
+    drafted = "lookup" if p.source == "lookup" else "drafter"
     return [drafted if i < p.accepted else "target" for i in range(len(p.tokens))]
 
 

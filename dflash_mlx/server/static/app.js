@@ -108,13 +108,13 @@ function renderAll() {
 // ---- one message ---------------------------------------------------------------------------------------------
 function messageElement(c, m, index) {
   const el = document.createElement("article");
-  el.className = `msg ${m.role}`;
+  el.className = `msg ${m.role}` + (state.streaming && state.streaming.message === m ? " streaming" : "");
   el.dataset.index = String(index);
   const body = document.createElement("div");
   body.className = "body";
   el.appendChild(body);
   fillBody(body, m);
-  if (m.role === "assistant" && (m.tokens || m.stats)) el.appendChild(Render.renderStats(m));
+  if (m.role === "assistant" && ((m.tokens && m.tokens.length) || m.stats)) el.appendChild(Render.renderStats(m));
   if (m.error) {
     const err = document.createElement("div");
     err.className = "error";
@@ -123,6 +123,7 @@ function messageElement(c, m, index) {
   }
   const actions = document.createElement("div");
   actions.className = "actions";
+  if (el.classList.contains("streaming")) actions.hidden = true;  // shown once the reply is complete
   const button = (label, title, handler, cls) => {
     const b = document.createElement("button");
     b.type = "button";
@@ -373,7 +374,6 @@ function renderStreaming() {
 function finish(m, error, stopped) {
   if (error) m.error = error;
   if (stopped) m.stopped = true;
-  delete m.passesLive;
   state.streaming = null;
   state.controller = null;
   save();
@@ -418,7 +418,7 @@ async function loadModel() {
     if (card) {
       state.model = card.id;
       const d = card.dflash || {};
-      $("model").textContent = card.id + (d.drafter ? ` · drafter ${d.drafter}` : "");
+      $("model").textContent = card.id + (d.drafter ? ` · drafter: ${d.drafter}` : "");
     }
   } catch (e) {
     setStatus("could not reach the server", true);
