@@ -96,14 +96,21 @@ def server(pair):
 
 @pytest.fixture(scope="module")
 def browser():
-    os.environ.setdefault("SE_OFFLINE", "true")  # selenium must never fetch a browser or a driver
+    offline = os.environ.get("SE_OFFLINE")
+    os.environ["SE_OFFLINE"] = "true"  # selenium must never fetch a browser or a driver
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900",
                 "--disable-background-networking", "--disable-component-update", "--no-first-run"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    try:
+        driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    finally:
+        if offline is None:
+            os.environ.pop("SE_OFFLINE")
+        else:
+            os.environ["SE_OFFLINE"] = offline
     yield driver
     driver.quit()
 

@@ -173,10 +173,11 @@ function renderStats(message, live) {
   box.dataset.target = counts.target;
   const histogram = s.acceptance_histogram || passHistogram(passes);
   box.appendChild(renderHistogram(histogram));
-  if (message.stopped) {
+  if (message.stopped || message.finish === "length") {
     const tag = document.createElement("span");
-    tag.className = "stat stopped";
-    tag.textContent = "stopped";
+    tag.className = message.stopped ? "stat stopped" : "stat cut";
+    tag.textContent = message.stopped ? "stopped" : "cut at the max tokens";
+    tag.title = message.stopped ? "you stopped this reply" : "the reply reached the Max tokens setting";
     box.appendChild(tag);
   }
   return box;
