@@ -151,6 +151,10 @@ function fillBody(body, m) {
     return;
   }
   body.innerHTML = Render.renderMarkdown(m.content || "");
+  for (const a of body.querySelectorAll("a[href]")) {  // a link in a reply opens beside the conversation
+    a.target = "_blank";
+    a.rel = "noopener noreferrer";
+  }
   Render.markOrigins(body, m.tokens);
   if (m.reasoning) {  // a thinking model's reasoning, folded above the answer
     const details = document.createElement("details");
