@@ -171,8 +171,13 @@ def chat(
     no_lookup: bool = NO_LOOKUP_OPTION,
     tree_budget: Optional[str] = TREE_BUDGET_OPTION,
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
+    web: bool = typer.Option(False, "--web", help="Chat in the browser instead: serve the model on 127.0.0.1 "
+                             "(--port) and open its chat page."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="With --web: the port to serve on."),
+    no_open: bool = typer.Option(False, "--no-open", help="With --web: print the page's address, open no browser."),
 ):
-    """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation."""
+    """Chat with a model; caches are reused across turns, Ctrl-C stops a reply and keeps the conversation.
+    With --web, in the browser: the chat page of `dflash-mlx serve`, every token marked by where it came from."""
     from . import console
     from .chat import ChatSession, run_repl
     from .decode.sampling import SamplingParams, check_seed
@@ -185,11 +190,24 @@ def chat(
     budget = tree_budget_value(tree_budget)
     if system_prompt is not None:
         _check_text(system_prompt, "--system-prompt")
+    if web:
+        from .server import check_address
+
+        if history is not None or pipeline:
+            raise DFlashError("--history and --pipeline are for the terminal chat; drop them with --web "
+                              "(the page keeps its conversations in the browser)")
+        check_address("127.0.0.1", port)  # a port in use is one line now, not after the model has loaded
     if history is not None and history.expanduser().is_dir():
         raise DFlashError(f"--history {history} is a folder; give a file saved with /save")
     if history is not None and not history.expanduser().is_file():
         raise DFlashError(f"--history {history} does not exist; give a file saved with /save")
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
+    if web:
+        from .server.web import chat_in_browser
+
+        return chat_in_browser((target, tokenizer, drafter), model=model, draft=draft, port=port,
+                               open_browser=not no_open, max_tokens=max_tokens, width=width, temp=temp,
+                               tree_budget=budget)
     console.warn_before_run(target, drafter, 0, width)
     if seed is not None:
         sampling["seed"] = seed

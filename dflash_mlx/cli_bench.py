@@ -50,6 +50,9 @@ def bench(
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method (0: greedy)."),
     seed: int = typer.Option(0, "--seed", help="Seed of prompt i is seed + i, the same for every method."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write bench.json and bench.png here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNG plots here: speed per prompt against "
+                                        "plain decoding, τ distribution, acceptance by draft position, verify "
+                                        "widths (needs matplotlib: pip install 'dflash-mlx[bench]')."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed prompts as raw text."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-tokens tokens."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Skip the extra synced run that splits DFlash time "
@@ -81,7 +84,7 @@ def bench(
         model=model, draft=draft, ar_draft=ar_draft, oracle=oracle, prompts=prompts, num_prompts=num_prompts,
         max_tokens=max_tokens, block_sizes=_int_list(widths, "--widths"),
         num_draft_tokens=_int_list(num_draft, "--num-draft") or [3], temp=temp, seed=seed,
-        out=str(out) if out else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
+        out=str(out) if out else None, plot=str(plot) if plot else None, chat_template=not ignore_chat_template, ignore_eos=ignore_eos,
         profile=not no_profile, verify_prompts=verify_prompts, random_draft=random_draft,
         profile_prompts=profile_prompts, fixed_draft=fixed_draft, distributed=distributed, pipeline=pipeline,
         lookup=not no_lookup, drafter_alone=drafter_alone,

@@ -71,6 +71,10 @@ def test_wheel_contains_subpackages_and_kernel_sources(wheel):
     # Shipped drafters: weights, config and model card.
     expected |= {f"dflash_mlx/{p.relative_to(REPO / 'dflash_mlx').as_posix()}"
                  for p in (REPO / "dflash_mlx" / "drafters").glob("*/*") if p.parent.name != "__pycache__"}
+    # The chat page served at GET /, vendored libraries and their licenses included.
+    expected |= {f"dflash_mlx/{p.relative_to(REPO / 'dflash_mlx').as_posix()}"
+                 for p in (REPO / "dflash_mlx" / "server" / "static").rglob("*") if p.is_file()}
+    assert "dflash_mlx/server/static/vendor/marked.LICENSE.md" in expected
     assert "dflash_mlx/metal/dflash_common.h" in expected
     assert expected <= names, f"missing from wheel: {sorted(expected - names)}"
     assert not any(n.startswith(("convert/", "metal/")) for n in names), "top-level convert/ or metal/ leaked"

@@ -49,6 +49,7 @@ class BenchConfig:
     temp: float = 0.0
     seed: int = 0
     out: Optional[str] = None
+    plot: Optional[str] = None  # a folder for the report's PNGs (bench/plots.py)
     chat_template: bool = True
     ignore_eos: bool = False
     profile: bool = True  # an extra, synced run of each DFlash method for the per-phase times
@@ -73,6 +74,11 @@ class BenchConfig:
         check_seed(self.seed + (self.num_prompts or 1) - 1, f"--seed {self.seed} + the prompt index")
         if self.out:
             check_out_dir(Path(self.out).expanduser())
+        if self.plot:
+            from .plots import require_matplotlib
+
+            require_matplotlib()  # missing: one line now, not after a run of many minutes
+            check_out_dir(Path(self.plot).expanduser(), "--plot")
         if self.draft is None:
             self.draft = shipped_drafter_for(self.model)
         if self.draft is None and self.ar_draft is None and not self.oracle:
@@ -81,16 +87,17 @@ class BenchConfig:
             raise DFlashError("--random-draft copies the shape of a DFlash drafter: give --draft DIR too")
 
 
-def check_out_dir(out: Path) -> None:
-    """--out must be a folder the report can be written into: found out before a run of many minutes, not after."""
+def check_out_dir(out: Path, flag: str = "--out") -> None:
+    """--out (--plot) must be a folder the report can be written into: found out before a run of many minutes, not
+    after."""
     if out.exists() and not out.is_dir():
-        raise DFlashError(f"--out {out} is a file; give a folder for bench.json and bench.png")
+        raise DFlashError(f"{flag} {out} is a file; give a folder for the report's files")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
-        raise DFlashError(f"--out {out} cannot be written ({e.strerror or e}); choose another folder") from None
+        raise DFlashError(f"{flag} {out} cannot be written ({e.strerror or e}); choose another folder") from None
 
 
 def _load_ar_draft(name: str):
@@ -217,10 +224,14 @@ def run_bench(cfg: BenchConfig) -> dict:
         report["communication"] = meter.report(methods, records)
     report["config"] = {**asdict(cfg), "block_sizes": blocks}
     report["environment"] = _environment()
+    if cfg.plot:
+        from .plots import write_plots
+
+        report["files"] = {p.stem: str(p) for p in write_plots(report, cfg.plot)}
     if cfg.out:
         out = Path(cfg.out).expanduser()
         out.mkdir(parents=True, exist_ok=True)  # checked writable before the run (BenchConfig)
-        report["files"] = {"json": str(out / "bench.json")}
+        report.setdefault("files", {})["json"] = str(out / "bench.json")
         chart = write_chart(report, out / "bench.png")
         if chart:
             report["files"]["png"] = str(chart)

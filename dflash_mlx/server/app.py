@@ -26,7 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from mlx_lm.sample_utils import make_logits_processors
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from . import anthropic_format, errors, guard, openapi, prompts, responses_format
+from . import anthropic_format, chat_page, errors, guard, openapi, prompts, responses_format
 from ..decode.budget import DEFAULT_TREES
 from ..decode.lookup import drafter_model
 from ..decode.sampling import SamplingParams
@@ -250,6 +250,16 @@ def _stops(stop) -> List[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _wants_origins(body) -> bool:
+    """The request's `"dflash": {"origins": true}` extension: per-token origins in the reply (docs/server.md)."""
+    options = (body.model_extra or {}).get("dflash")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("origins", False), bool):
+        raise APIError(400, 'dflash must be an object such as {"origins": true}', param="dflash")
+    return options.get("origins", False)
+
+
 def _sse(data: Dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -340,10 +350,14 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.api_route("/", methods=["GET", "HEAD"])  # Claude Code probes `HEAD /` as it starts
-    async def root():
+    async def root(request: Request):
+        if chat_page.wanted(request.headers.get("accept", "")):  # a browser: the chat page (server/static/)
+            return chat_page.index()
         return JSONResponse({"name": "dflash-mlx", "version": _version(), "model": settings.model_name,
                              "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses",
                                            "/v1/messages", "/v1/models", "/health", "/metrics"]})
+
+    chat_page.add_routes(app)
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics():
@@ -386,8 +400,8 @@ def create_app(model, tokenizer, drafter, settings: Optional[ServerSettings] = N
                                                       top))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         router = router_for(server.tokenizer, prompt.text, tools, prompt.forced)
-        fmt = ChatFormatter(name, server.tokenizer, router,
-                            logprobs=body.logprobs, include_usage=include_usage)
+        fmt = ChatFormatter(name, server.tokenizer, router, logprobs=body.logprobs, include_usage=include_usage,
+                            origins=_wants_origins(body))
         return await respond_openai(request, job, fmt, body.stream)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])

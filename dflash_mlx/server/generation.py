@@ -63,6 +63,17 @@ class Delta:
     tokens: List[int]
     logprobs: Optional[List[TokenLogprob]] = None
     cached_tokens: int = 0  # of the prompt, read from the prefix cache
+    # Where each token came from ("drafter", "lookup" or "target": a pass's accepted drafts, then the target's
+    # own token) and the text each token added before stop-string handling; the chat page marks tokens with them.
+    origins: List[str] = field(default_factory=list)
+    segments: List[str] = field(default_factory=list)
+
+
+def origins(p) -> List[str]:
+    """The origin of each token a pass committed: its accepted drafts ("lookup" copies, else the drafter's: DFlash,
+    MTP or a caller's own proposer), then the target's own token (a plain pass accepts no draft)."""
+    drafted = "lookup" if p.source == "lookup" else "drafter"
+    return [drafted if i < p.accepted else "target" for i in range(len(p.tokens))]
 
 
 @dataclass
@@ -276,7 +287,7 @@ class Generator:
                         finish = "length"
                         break
                 logprobs = self._logprobs(p.logits, tokens, req.top_logprobs) if req.logprobs else None
-                yield Delta(text, tokens, logprobs, cached)
+                yield Delta(text, tokens, logprobs, cached, origins(p)[: len(tokens)], list(p.segments[: len(tokens)]))
                 if finish is None and should_stop():
                     finish = "cancelled"
                 if finish is not None:

@@ -49,8 +49,11 @@ class _TokenText:
 
 
 class ChatFormatter:
+    """`origins` (the request's `"dflash": {"origins": true}`): each chunk carries where its tokens came from, and
+    the final object counts them (the chat page marks every token with it)."""
+
     def __init__(self, model: str, tokenizer, router: OutputRouter, *, logprobs: bool = False,
-                 include_usage: bool = False):
+                 include_usage: bool = False, origins: bool = False):
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.model = model
@@ -61,6 +64,8 @@ class ChatFormatter:
         self.content, self.reasoning = "", ""
         self.tool_calls: List[Dict[str, Any]] = []
         self.logprob_items: List[Dict[str, Any]] = []
+        self.origins = origins
+        self.origin_tokens: List[Dict[str, str]] = []
 
     # -- shared ---------------------------------------------------------------------------------------------
     def _logprob_items(self, items: Optional[List[TokenLogprob]]) -> List[Dict[str, Any]]:
@@ -87,6 +92,24 @@ class ChatFormatter:
             elif p.kind == "reasoning":
                 self.reasoning += p.text
         return pieces
+
+    def _origin_tokens(self, event: Delta) -> List[Dict[str, str]]:
+        if not self.origins:
+            return []
+        tokens = [{"text": text, "origin": origin} for text, origin in zip(event.segments, event.origins)]
+        self.origin_tokens.extend(tokens)
+        return tokens
+
+    def _dflash(self, outcome: Outcome, tokens: bool = False) -> Dict[str, Any]:
+        out = dflash_field(outcome)
+        if self.origins:
+            counts = {"drafter": 0, "lookup": 0, "target": 0}
+            for t in self.origin_tokens:
+                counts[t["origin"]] += 1
+            out["origin_counts"] = counts
+            if tokens:
+                out["tokens"] = self.origin_tokens
+        return out
 
     def _finish_reason(self, outcome: Outcome) -> str:
         if self.tool_calls and outcome.finish_reason == "stop":
@@ -121,16 +144,21 @@ class ChatFormatter:
                 out[0]["choices"][0]["logprobs"] = {"content": logprobs}
             else:
                 out.append(self._chunk({"content": ""}, logprobs={"content": logprobs}))
+        tokens = self._origin_tokens(event)
+        if tokens:
+            if not out:
+                out.append(self._chunk({"content": ""}))
+            out[0]["dflash"] = {"tokens": tokens}
         return out
 
     def final_chunks(self, outcome: Outcome) -> List[Dict[str, Any]]:
         out = self.chunks(Delta("", []), final=True)
         last = self._chunk({}, finish=self._finish_reason(outcome))
-        last["dflash"] = dflash_field(outcome)
+        last["dflash"] = self._dflash(outcome)
         out.append(last)
         if self.include_usage:
             out.append({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                        "model": self.model, "choices": [], "usage": usage(outcome), "dflash": dflash_field(outcome)})
+                        "model": self.model, "choices": [], "usage": usage(outcome), "dflash": self._dflash(outcome)})
         return out
 
     # -- whole response --------------------------------------------------------------------------------------
@@ -140,6 +168,7 @@ class ChatFormatter:
                 self.tool_calls.append(self._tool_call(p.call))
         if self.logprobs:
             self.logprob_items.extend(self._logprob_items(event.logprobs))
+        self._origin_tokens(event)
 
     def response(self, outcome: Outcome) -> Dict[str, Any]:
         for p in self._route("", final=True):
@@ -156,7 +185,7 @@ class ChatFormatter:
                          "logprobs": {"content": self.logprob_items} if self.logprobs else None,
                          "finish_reason": self._finish_reason(outcome)}],
             "usage": usage(outcome),
-            "dflash": dflash_field(outcome),
+            "dflash": self._dflash(outcome, tokens=True),
         }
 
 
