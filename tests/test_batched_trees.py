@@ -141,3 +141,18 @@ def test_batched_sampled_trees_follow_the_target_distribution():
     assert trees > 0
     joint = exact_target_joint(model, PROMPT, params)
     assert chi2_pvalue(joint_counts(np.array(seqs), E2E_VOCAB), joint) > ALPHA
+
+
+def test_auto_trees_under_a_rank_coordinator_compare_arms_on_the_fixed_cost_model():
+    """Ranks of one distributed generation must choose the same tree budgets: with a coordinator installed, "auto"
+    compares its arms on `nominal_cost`, never on the rank's own clock."""
+    from dflash_mlx.decode.planner import tree_chooser
+    from dflash_mlx.decode.width import install_coordinator, nominal_cost
+
+    assert tree_chooser("auto").cost is None
+    install_coordinator(lambda policy: policy)
+    try:
+        assert tree_chooser("auto").cost is nominal_cost
+    finally:
+        install_coordinator(None)
+    assert tree_chooser("auto").cost is None

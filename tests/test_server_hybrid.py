@@ -36,6 +36,10 @@ class CountingTarget(TargetModel):
         CountingTarget.tokens += ids.shape[1]
         return super().__call__(ids, cache)
 
+    def forward_segments(self, segments):  # verify passes (and a batch's rounds) enter here
+        CountingTarget.tokens += sum(s.width for s in segments)
+        return super().forward_segments(segments)
+
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
@@ -61,8 +65,8 @@ def hybrid(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(hybrid):
-    # Chains: the prefill is counted as the target's calls less the verified rows, and a tree pass verifies its
-    # nodes through `targets.tree.tree_forward`, not the target's call.
+    # Chains: the prefill is counted as the target's tokens less the verified rows (a tree pass verifies more
+    # nodes than its width).
     app = create_app(*hybrid, ServerSettings(model_name="hybrid", tree_budget=None))
     app.state.server.generator.target.__class__ = CountingTarget
     running = start_in_thread(app)

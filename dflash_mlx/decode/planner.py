@@ -27,7 +27,7 @@ from ..errors import DFlashError
 from .budget import FixedBudget, TreeBudget
 from .proposal import DFLASH, LOOKUP, PLAIN, Offer
 from .sources import SourceChoice
-from .width import FixedWidth, Width, WidthPolicy, coordinate, nominal_cost
+from .width import FixedWidth, Width, WidthPolicy, coordinate, coordinated, nominal_cost
 
 
 @dataclass
@@ -190,7 +190,9 @@ def tree_chooser(tree_budget: Union[int, str, None], reproducible: bool = False)
     if tree_budget is None:
         return None
     if tree_budget == "auto":
-        return TreeBudget(cost=nominal_cost if reproducible else None)
+        # Ranks of one distributed generation must choose alike, and their clocks differ: with a coordinator
+        # installed the arms are compared on the fixed cost model, which every rank computes the same.
+        return TreeBudget(cost=nominal_cost if reproducible or coordinated() else None)
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
         raise DFlashError(f"tree_budget must be a number of nodes >= 1, 'auto' or None, got {tree_budget!r}")
     return FixedBudget(tree_budget)

@@ -49,6 +49,11 @@ def install_coordinator(wrap: Optional[Callable[["Width"], "Width"]]) -> None:
     _coordinator = wrap
 
 
+def coordinated() -> bool:
+    """Whether a coordinator is installed (this process is one rank of several that must choose alike)."""
+    return _coordinator is not None
+
+
 def coordinate(policy: "Width") -> "Width":
     """`policy` as the installed coordinator wraps it (itself when none is installed)."""
     return _coordinator(policy) if _coordinator is not None else policy
