@@ -250,8 +250,13 @@ def test_esc_stops_the_reply_and_the_server_goes_idle(server, browser):
     assert browser.find_element(By.CSS_SELECTOR, "article.assistant .stopped").text == "stopped"
 
 
-def test_the_page_fits_a_phone(server, browser):
+def test_shift_enter_is_a_new_line_and_the_page_fits_a_phone(server, browser):
     _open(browser, server.base)
+    box = browser.find_element(By.ID, "input")
+    box.send_keys("first line", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "second line")
+    assert box.get_attribute("value") == "first line\nsecond line"
+    assert not browser.find_elements(By.CSS_SELECTOR, "article.msg")  # nothing was sent
+    box.clear()
     browser.set_window_size(390, 844)
     try:
         sidebar = browser.find_element(By.ID, "sidebar")

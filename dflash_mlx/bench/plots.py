@@ -48,7 +48,9 @@ def _grouped_bars(ax, labels: List[str], series: Dict[str, List[float]]) -> None
     for j, (name, values) in enumerate(series.items()):
         xs = [i + (j - (n - 1) / 2) * width for i in range(len(labels))]
         ax.bar(xs, values, width=width, label=name)
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    long = max((len(label) for label in labels), default=0) > 3  # prompt ids slant; numbers stand upright
+    ax.set_xticks(range(len(labels)), labels, rotation=30 if long else 0, ha="right" if long else "center",
+                  fontsize=8)
 
 
 def plot_speed(plt, report: dict, path: Path) -> Path:
