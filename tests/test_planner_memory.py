@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tiny
 from dflash_mlx.decode.generation import Generation
-from dflash_mlx.decode.memory import PlannerMemory
+from dflash_mlx.decode.memory import CARRIED_PASSES, PlannerMemory
 from dflash_mlx.decode.planner import build_planner
 from dflash_mlx.decode.proposers.dflash import DFlashProposer
 
@@ -37,7 +37,10 @@ def test_the_next_generation_starts_from_what_the_last_measured():
     # A new generation's planner holds those measurements before its first pass: no cold probes.
     second = Generation(t, drafter, tiny.prompt_ids(7, seed=2), max_tokens=20, memory=memory, tree_budget="auto")
     policy = second.planner.policy
-    assert policy.costs == learnt.costs and policy.hits == learnt.hits and policy.trials == learnt.trials
+    assert policy.costs == learnt.costs  # the machine's costs, as measured
+    # The drafter's acceptance: the same ratios per slot, at the weight of a few passes at most.
+    for h, t, lh, lt in zip(policy.hits[1:], policy.trials[1:], learnt.hits[1:], learnt.trials[1:]):
+        assert t <= CARRIED_PASSES + 1e-9 and (t == lt == 0 or abs(h / t - lh / lt) < 1e-9)
     assert policy is not learnt and policy.costs is not learnt.costs  # copies: the two never share state
     arms = second.planner.trees.contexts
     assert arms and {c: dict(a.tries) for c, a in arms.items()} == \
@@ -64,6 +67,22 @@ def test_a_fresh_planner_probes_and_a_remembered_one_does_not_repeat_the_first_w
     seeded = build_planner(drafting=proposer)
     assert memory.seed(seeded)
     assert seeded.policy.choose() == 1
+
+
+def test_carried_acceptance_weighs_a_few_passes_so_a_new_request_moves_it_at_once():
+    _, drafter, t = _pair()
+    proposer = DFlashProposer(drafter, drafter.mask_token_id)
+    taught = build_planner(drafting=proposer, lookup=True)
+    for _ in range(200):  # a long reply whose drafts were never accepted
+        taught.record(8, 0, 0.2)
+    memory = PlannerMemory()
+    memory.keep(taught)
+    seeded = build_planner(drafting=proposer, lookup=True)
+    memory.seed(seeded)
+    assert seeded.policy.acceptance()[0] < 0.1
+    for _ in range(4):  # the new request's drafts are all accepted
+        seeded.record(8, 7, 0.2)
+    assert seeded.policy.acceptance()[0] > 0.3  # (200 passes' weight would have kept it under 0.05)
 
 
 def test_shapes_that_do_not_fit_are_not_seeded():

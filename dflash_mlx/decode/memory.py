@@ -8,8 +8,9 @@ slower than plain decoding.
 
 `PlannerMemory` keeps what the last generation learnt and seeds the next one with it. The server keeps one per
 process (every request starts where the previous one left off), a chat session one per conversation (a turn
-continues the last). What is kept are the estimators' running sums, which keep fading as new passes come in, so a
-request unlike the last one moves the estimates within a few passes.
+continues the last). What is kept are the estimators' running sums. Costs are facts of the machine and are carried
+as they are; acceptance is a fact of the text, which changes from one request to the next, so it is carried as
+its mean with the weight of a few passes (`CARRIED_PASSES`): a request unlike the last moves it at once.
 
 Runs that must follow from their seed alone (seeded sampling: widths by acceptance, not by the clock) are neither
 seeded nor kept: their choices may not depend on what ran before them.
@@ -30,6 +31,33 @@ from .width import WidthPolicy
 _WIDTH_STATE = ("hits", "trials", "costs", "samples", "cycles")
 _SOURCE_STATE = ("pooled", "by_match")
 _TREE_STATE = ("contexts",)
+
+
+CARRIED_PASSES = 8.0  # the weight, in passes, that carried acceptance counts have in the next generation
+
+
+def _lighter(hits: List[float], trials: List[float]) -> Tuple[List[float], List[float]]:
+    """Acceptance counts with their ratios kept and their weight cut to `CARRIED_PASSES` observations (slot 1's)."""
+    heaviest = max(trials[1:] or [0.0])
+    scale = min(1.0, CARRIED_PASSES / heaviest) if heaviest > 0 else 1.0
+    return [h * scale for h in hits], [t * scale for t in trials]
+
+
+def _carry(name: str, value: Any) -> Any:
+    """What of an estimator's learnt field a new generation starts from (see the module docstring)."""
+    if name == "by_match":
+        return {k: _carry("counts", v) for k, v in value.items()}
+    if name in ("pooled", "counts"):
+        value.hits, value.trials = _lighter(value.hits, value.trials)
+    elif name == "contexts":  # tree arms: each arm's tokens and seconds keep their means at a few passes' weight
+        for arms in value.values():
+            for arm in arms.arms:
+                for total, weight in (("tokens", "samples"), ("seconds", "runs")):
+                    w = getattr(arms, weight)[arm]
+                    if w > CARRIED_PASSES:
+                        getattr(arms, total)[arm] *= CARRIED_PASSES / w
+                        getattr(arms, weight)[arm] = CARRIED_PASSES
+    return value
 
 
 def _estimators(planner) -> List[Tuple[str, Any]]:
@@ -85,8 +113,11 @@ class PlannerMemory:
                 shape, state = self._kept.get(kind, (None, None))
                 if state is None or shape != _shape(estimator):
                     continue
-                for name, value in copy.deepcopy(state).items():
-                    setattr(estimator, name, value)
+                state = copy.deepcopy(state)
+                if isinstance(estimator, WidthPolicy):
+                    state["hits"], state["trials"] = _lighter(state["hits"], state["trials"])
+                for name, value in state.items():
+                    setattr(estimator, name, _carry(name, value))
                 seeded = True
         return seeded
 
