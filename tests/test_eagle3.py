@@ -277,9 +277,9 @@ def test_cli_generate_and_convert_with_an_eagle3_draft(on_disk, tmp_path, capsys
 
     target_dir, spec = on_disk[0], on_disk[1]
     args = ["generate", "--model", str(target_dir), "-p", "hello", "--max-tokens", "16", "--ignore-chat-template"]
-    assert main(args + ["--draft", str(spec), "--block-size", "1"]) == 0
+    assert main(args + ["--draft", str(spec), "--width", "1"]) == 0
     alone = capsys.readouterr().out
-    assert main(args + ["--draft", str(spec), "--block-size", "3"]) == 0
+    assert main(args + ["--draft", str(spec), "--width", "3"]) == 0
     assert capsys.readouterr().out == alone
     for bits in (8, 4):  # our own layout, quantized: still lossless
         out = tmp_path / f"q{bits}"

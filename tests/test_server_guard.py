@@ -188,3 +188,15 @@ def test_a_gone_client_stops_the_worker_job(monkeypatch):
     finally:
         worker.stop()
     assert worker.running == 0
+
+
+def test_the_chat_pages_files_load_without_the_key_and_nothing_else_does(pair):
+    """A browser loads the page and its files before the page can ask for the key; they hold nothing of anyone's.
+    A path that only starts like them reaches no route."""
+    app = create_app(*pair, ServerSettings(model_name="tiny", api_key=KEY))
+    with TestClient(app) as client:
+        assert client.get("/static/app.js").status_code == 200
+        assert client.get("/", headers={"Accept": "text/html"}).status_code == 200
+        assert client.post("/static/app.js", json={}).status_code == 401
+        assert client.get("/static/../metrics").status_code in (401, 404)
+        assert client.get("/v1/models").status_code == 401

@@ -1,8 +1,8 @@
 """What every request passes before a route sees it, as plain ASGI middleware: the API key, the body's size,
 type and shape, and a last-resort answer for a failure no route foresaw.
 
-- `KeyCheck`: with an API key set, every route but /health (and the page at /, which a browser opens without
-  headers) wants `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time.
+- `KeyCheck`: with an API key set, every route but /health (and the chat page at / and its files under
+  /static/, which a browser loads before the page can ask for the key) wants `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time.
 - `BodyCheck`: a POST body must be JSON (`Content-Type: application/json`, or none), at most `max_bytes` long
   (413, naming both sizes), not empty (400, naming the fields the route needs), an object, and nested at most
   `MAX_DEPTH` deep. The body read here is handed on unchanged.
@@ -28,6 +28,9 @@ logger = logging.getLogger("dflash_mlx.server")
 
 MAX_DEPTH = 64  # JSON nesting: chat requests need about 10 (tool schemas nest deepest)
 PUBLIC_PATHS = ("/health", "/")  # load balancers, uptime probes and the browser's first page load
+# The chat page's own files (the package's static files, no data of anyone's): a browser loads them before the
+# page can ask for the key.
+PUBLIC_PREFIX = "/static/"
 # The fields each route needs, for the message that answers an empty body.
 REQUIRED = {"/v1/chat/completions": "'messages'", "/v1/completions": "'prompt'", "/v1/responses": "'input'",
             "/v1/messages": "'messages' and 'max_tokens'", "/v1/messages/count_tokens": "'messages'"}
@@ -46,7 +49,9 @@ class KeyCheck:
         self.app, self.key = app, (key or "").encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.key or scope.get("path") in PUBLIC_PATHS:
+        path = scope.get("path") or ""
+        public = path in PUBLIC_PATHS or (path.startswith(PUBLIC_PREFIX) and scope.get("method") in ("GET", "HEAD"))
+        if scope["type"] != "http" or not self.key or public:
             return await self.app(scope, receive, send)
         if not hmac.compare_digest(given_key(Request(scope).headers).encode(), self.key):
             return await _answer(scope, receive, send, 401,

@@ -16,6 +16,11 @@ from typing import Dict, List, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+# mlx-lm model modules whose decoder layers are exactly the pre-norm block `h = x + mix(norm1(x)); h + mlp(norm2(h))`
+# (the walk splits them: `walk.splittable`), and those whose `Attention.__call__` is the plain one the batched pass
+# restates (`walk.plain_attention`); tests/test_batching.py checks both against mlx-lm's own calls.
+PRE_NORM_MODULES = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+PLAIN_ATTENTION_MODULES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
 # A decoder layer the walk may split into norm / mixer / MLP (`walk.splittable`).
 PRE_NORM_LAYER = ("input_layernorm", "post_attention_layernorm", "mlp")
 # mlx-lm's plain attention, restated by the batched pass (`walk.plain_attention`).
@@ -35,8 +40,6 @@ def _lacks(obj, names: Tuple[str, ...]) -> List[str]:
 def missing(target) -> Dict[str, List[str]]:
     """{what: names it lacks} for the wrapped `target` (a `TargetModel`); empty when everything the walk reads is
     where it expects it."""
-    from .walk import _PLAIN_ATTENTION_MODULES, _PRE_NORM_MODULES
-
     found: Dict[str, List[str]] = {}
     inner = target.inner
     if target.family.shares_kv:
@@ -44,11 +47,11 @@ def missing(target) -> Dict[str, List[str]]:
     for i, layer in enumerate(inner.layers):
         module = type(layer).__module__.rsplit(".", 1)[-1]
         lacks = []
-        if module in _PRE_NORM_MODULES:
+        if module in PRE_NORM_MODULES:
             lacks += _lacks(layer, PRE_NORM_LAYER)
         if getattr(layer, "is_linear", False):
             lacks += _lacks(getattr(layer, "linear_attn", None), GATED_DELTA)
-        elif module in _PLAIN_ATTENTION_MODULES:
+        elif module in PLAIN_ATTENTION_MODULES:
             lacks += _lacks(getattr(layer, "self_attn", None), PLAIN_ATTENTION)
         if lacks:
             found[f"layer {i} ({type(layer).__name__})"] = lacks

@@ -32,12 +32,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update
 
 from ..errors import DFlashError
 from .adapter import TargetModel, split_into_stages
-from .walk import Tree, run
+from .walk import Segment, run
 from .hybrid import GatedDeltaCache, GDNWrite, ReplayRollback, TapeRollback, gdn_heads, gdn_output, gdn_project
 from .rotating import WindowKVCache
 
@@ -204,6 +205,88 @@ def _check_parents(parents: Sequence[int]) -> Tuple[int, ...]:
     if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
         raise DFlashError(f"bad tree parents {list(parents)}: need parents[0] == -1 and 0 <= parents[i] < i")
     return parents
+
+
+class Tree(Segment):
+    """A draft tree's nodes verified against the caches, which are only read (see the module docstring)."""
+
+    def __init__(self, ids: mx.array, cache: List[Any], parents: Sequence[int]):
+        super().__init__(ids, cache)
+        self.parents = tuple(parents)
+        n1 = len(self.parents)
+        depths = [0] * n1
+        anc = np.eye(n1, dtype=bool)
+        for j in range(1, n1):
+            depths[j] = depths[self.parents[j]] + 1
+            anc[j] |= anc[self.parents[j]]
+        self.depth, self.anc = np.array(depths), anc
+        self.levels = [[j for j in range(n1) if depths[j] == d] for d in range(max(depths) + 1)]
+        self.offset = 0
+        self.write = TreeWrite(self.parents, tuple(depths), 0)
+        self.write.slots = {j: k for nodes in self.levels for k, j in enumerate(nodes)}
+        self._masks: Dict[Tuple, mx.array] = {}
+        self._layer_masks: Dict[int, mx.array] = {}
+        self._stand_ins: Dict[int, Any] = {}
+        self._records: Dict[int, Any] = {}
+
+    def begin(self, target, h: mx.array) -> None:
+        self.target = target
+        self.offset = next(c.offset for c in self.cache if not is_gdn(target, c))
+        self.write.offset = self.offset
+        self.offsets = mx.array(self.offset + self.depth, dtype=mx.int32)
+
+    def view(self, x: mx.array) -> mx.array:
+        return x.reshape(self.width, 1, x.shape[-1])
+
+    def unview(self, x: mx.array) -> mx.array:
+        return x.reshape(1, self.width, x.shape[-1])
+
+    def mask(self, i: int) -> Any:
+        if i not in self._layer_masks:
+            c = self.cache_at(i)
+            if c is None:  # a KV-sharing layer (Gemma 4): its source layer's mask
+                return self._layer_masks[self.target.inner.previous_kvs[i]]
+            # Layers whose caches hold the same rows share one mask.
+            key = (type(c), getattr(c, "max_size", None), c.offset, getattr(c, "_idx", None))
+            if key not in self._masks:
+                self._masks[key] = tree_mask(c, self.offset, self.depth, self.anc)
+            self._layer_masks[i] = self._masks[key]
+        return self._layer_masks[i]
+
+    def kv(self, i: int) -> Any:
+        c = self.cache_at(i)
+        if c is None:
+            return None
+        self._stand_ins[i] = TreeKV(c, self.offsets)
+        return self._stand_ins[i]
+
+    def gdn(self, attn: nn.Module, i: int, x: mx.array) -> mx.array:
+        out, self._records[i] = gdn_tree(attn, x, self.cache_at(i), self.parents, self.levels)
+        return out
+
+    def attend(self, attn, i, q, k, v):
+        n = self.width
+        stand_in = self.kv(i)
+        queries = q.reshape(n, 1, attn.n_heads, -1)
+        keys = k.reshape(n, 1, attn.n_kv_heads, -1)
+        if hasattr(attn, "q_norm"):
+            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        values = v.reshape(n, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys = attn.rope(queries, offset=self.offsets), attn.rope(keys, offset=self.offsets)
+        keys, values = stand_in.update_and_fetch(keys, values)
+        out = scaled_dot_product_attention(queries, keys, values, cache=stand_in, scale=attn.scale,
+                                           mask=self.mask(i))
+        return out.transpose(0, 2, 1, 3).reshape(1, n, -1)
+
+    def finish(self) -> None:
+        layers = []
+        for i in range(len(self.cache)):
+            if i in self._records:
+                layers.append(self._records[i])
+            elif i in self._stand_ins:
+                layers.append(self._stand_ins[i].new)
+        self.write.layers = layers
 
 
 def tree_segment(target: TargetModel, ids: mx.array, parents: Sequence[int], cache: Sequence[Any]) -> Tree:

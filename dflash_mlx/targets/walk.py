@@ -3,9 +3,9 @@
 A pass is a list of **segments**, each one request's block with its own caches:
 - `Chain`: consecutive tokens after the cache's last position (a prefill chunk, a verify block); written to the
   caches as the model's own call writes them;
-- `Tree`: a draft tree's nodes (slot 0 the root, `parents[i] < i`), every node at its own position (the cache
-  offset plus its depth) seeing the cached rows and its ancestors; the caches are only read, and what the pass
-  computed is kept in a `TreeWrite` for `targets.tree.commit_path`.
+- `tree.Tree`: a draft tree's nodes (slot 0 the root, `parents[i] < i`), every node at its own position (the
+  cache offset plus its depth) seeing the cached rows and its ancestors; the caches are only read, and what the
+  pass computed is kept in a `TreeWrite` for `targets.tree.commit_path`.
 
 The single stream's pass is one Chain; a tree verify is one Tree; a batch's pass is several of either (ragged: no
 padding, any widths). The segments' tokens are laid end to end as one stream [1, N, H] for the embedding, the
@@ -34,27 +34,20 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from .hybrid import gated_delta_net
-
-# mlx-lm model modules whose decoder layers are exactly the pre-norm block above (checked by tests/test_batching.py).
-_PRE_NORM_MODULES = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
-# mlx-lm modules whose `Attention.__call__` is the plain one `Chain.attend` / `Tree.attend` restate.
-_PLAIN_ATTENTION_MODULES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
-
+from .mlx_lm_contract import PLAIN_ATTENTION, PLAIN_ATTENTION_MODULES, PRE_NORM_LAYER, PRE_NORM_MODULES
 
 def splittable(layer: nn.Module) -> bool:
     """Whether `layer` is a pre-norm block whose token mixer can run per segment and the rest on all tokens."""
     module = type(layer).__module__.rsplit(".", 1)[-1]
     mixer = "linear_attn" if getattr(layer, "is_linear", False) else "self_attn"
-    return (module in _PRE_NORM_MODULES and mixer in layer and "mlp" in layer
-            and "input_layernorm" in layer and "post_attention_layernorm" in layer)
+    return module in PRE_NORM_MODULES and mixer in layer and all(part in layer for part in PRE_NORM_LAYER)
 
 
 def plain_attention(attn: nn.Module) -> bool:
     """Whether `attn` is mlx-lm's plain `Attention` of a module whose call the segments restate."""
     module = type(attn).__module__.rsplit(".", 1)[-1]
-    return (type(attn).__name__ == "Attention" and module in _PLAIN_ATTENTION_MODULES
-            and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads",
-                                                "n_kv_heads", "scale")))
+    return (type(attn).__name__ == "Attention" and module in PLAIN_ATTENTION_MODULES
+            and all(hasattr(attn, a) for a in PLAIN_ATTENTION))
 
 
 def _is_linear(layer: nn.Module) -> bool:
@@ -131,98 +124,6 @@ class Chain(Segment):
             keys, values = cache.update_and_fetch(keys, values)
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=self.masks[i])
         return out.transpose(0, 2, 1, 3).reshape(1, n, -1)
-
-
-class Tree(Segment):
-    """A draft tree's nodes verified against the caches, which are only read (see the module docstring)."""
-
-    def __init__(self, ids: mx.array, cache: List[Any], parents: Sequence[int]):
-        from .tree import TreeWrite  # (tree.py builds on this module)
-
-        super().__init__(ids, cache)
-        self.parents = tuple(parents)
-        n1 = len(self.parents)
-        depths = [0] * n1
-        anc = np.eye(n1, dtype=bool)
-        for j in range(1, n1):
-            depths[j] = depths[self.parents[j]] + 1
-            anc[j] |= anc[self.parents[j]]
-        self.depth, self.anc = np.array(depths), anc
-        self.levels = [[j for j in range(n1) if depths[j] == d] for d in range(max(depths) + 1)]
-        self.offset = 0
-        self.write = TreeWrite(self.parents, tuple(depths), 0)
-        self.write.slots = {j: k for nodes in self.levels for k, j in enumerate(nodes)}
-        self._masks: Dict[Tuple, mx.array] = {}
-        self._layer_masks: Dict[int, mx.array] = {}
-        self._stand_ins: Dict[int, Any] = {}
-        self._records: Dict[int, Any] = {}
-
-    def begin(self, target, h: mx.array) -> None:
-        from .tree import is_gdn
-
-        self.target = target
-        self.offset = next(c.offset for c in self.cache if not is_gdn(target, c))
-        self.write.offset = self.offset
-        self.offsets = mx.array(self.offset + self.depth, dtype=mx.int32)
-
-    def view(self, x: mx.array) -> mx.array:
-        return x.reshape(self.width, 1, x.shape[-1])
-
-    def unview(self, x: mx.array) -> mx.array:
-        return x.reshape(1, self.width, x.shape[-1])
-
-    def mask(self, i: int) -> Any:
-        from .tree import tree_mask
-
-        if i not in self._layer_masks:
-            c = self.cache_at(i)
-            if c is None:  # a KV-sharing layer (Gemma 4): its source layer's mask
-                return self._layer_masks[self.target.inner.previous_kvs[i]]
-            # Layers whose caches hold the same rows share one mask.
-            key = (type(c), getattr(c, "max_size", None), c.offset, getattr(c, "_idx", None))
-            if key not in self._masks:
-                self._masks[key] = tree_mask(c, self.offset, self.depth, self.anc)
-            self._layer_masks[i] = self._masks[key]
-        return self._layer_masks[i]
-
-    def kv(self, i: int) -> Any:
-        from .tree import TreeKV
-
-        c = self.cache_at(i)
-        if c is None:
-            return None
-        self._stand_ins[i] = TreeKV(c, self.offsets)
-        return self._stand_ins[i]
-
-    def gdn(self, attn: nn.Module, i: int, x: mx.array) -> mx.array:
-        from .tree import gdn_tree
-
-        out, self._records[i] = gdn_tree(attn, x, self.cache_at(i), self.parents, self.levels)
-        return out
-
-    def attend(self, attn, i, q, k, v):
-        n = self.width
-        stand_in = self.kv(i)
-        queries = q.reshape(n, 1, attn.n_heads, -1)
-        keys = k.reshape(n, 1, attn.n_kv_heads, -1)
-        if hasattr(attn, "q_norm"):
-            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
-        values = v.reshape(n, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        queries, keys = attn.rope(queries, offset=self.offsets), attn.rope(keys, offset=self.offsets)
-        keys, values = stand_in.update_and_fetch(keys, values)
-        out = scaled_dot_product_attention(queries, keys, values, cache=stand_in, scale=attn.scale,
-                                           mask=self.mask(i))
-        return out.transpose(0, 2, 1, 3).reshape(1, n, -1)
-
-    def finish(self) -> None:
-        layers = []
-        for i in range(len(self.cache)):
-            if i in self._records:
-                layers.append(self._records[i])
-            elif i in self._stand_ins:
-                layers.append(self._stand_ins[i].new)
-        self.write.layers = layers
 
 
 # -- the walk ----------------------------------------------------------------------------------------------------
