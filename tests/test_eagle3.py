@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -323,3 +322,16 @@ def test_lookup_adaptive_widths_a_batch_and_a_second_turn_stay_lossless():
     second = [t for p in Generation(target, drafter, follow, max_tokens=15, width=4, state=state, lookup=False,
                                     tree_budget=5) for t in p.tokens]
     assert second == plain(model, prompt + first + follow, 15)
+
+
+def test_tree_candidates_are_each_rows_top_k_with_ties_by_lower_id():
+    from dflash_mlx.decode.proposers.eagle3 import _top
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        V = int(rng.integers(2, 40))
+        k = int(rng.integers(1, V + 1))
+        logq = rng.integers(0, 6, size=(3, V)).astype(np.float32)  # many ties
+        ids, lps = _top(logq, k)
+        expected = np.argsort(-logq, axis=-1, kind="stable")[:, :k]
+        assert (ids == expected).all() and (lps == np.take_along_axis(logq, expected, axis=-1)).all()
