@@ -1,15 +1,17 @@
-"""Train a small EAGLE-3 drafter for a small target in a few minutes on a CPU, to measure EAGLE-3 end to end.
+"""Train a small EAGLE-3 drafter for a small target in minutes on a CPU, to measure EAGLE-3 end to end.
 
 Not a training recipe (`dflash-mlx train` trains DFlash drafters); a short script that makes an EAGLE-3 head good
-enough for `dflash-mlx bench --draft DIR` to show chains against trees on a real tokenizer and real text:
+enough for `dflash-mlx bench --draft DIR` to show chains against trees on a real tokenizer and real text. To stay
+within minutes on a CPU it distills from text in one target pass per sequence instead of from generated answers:
 
-1. the target answers prompts of a bench set greedily (by default HumanEval's, skipping the first `--skip`, which
-   the bench runs on);
-2. one target pass over every prompt + answer taps the default layers (the inputs of layers 2, N // 2, N - 3);
-3. the drafter (one layer, the target's width, a reduced head over the answers' most frequent tokens, `d2t`)
-   learns, at every answer position t, the token t+2 from (token t+1, fused taps at t), and one step further from
-   its own output (EAGLE-3's training-time test, approximated: the second step attends causally over second-step
-   keys only). Head and final norm start from the target's.
+1. text: HumanEval's prompts with their canonical solutions (skipping the first `--skip` tasks, which the bench
+   runs on);
+2. one target pass over each text taps the default layers (the inputs of layers 2, N // 2, N - 3) and gives the
+   target's own choice after every token;
+3. the drafter (one layer, the target's width, a reduced head over the target's most frequent choices, `d2t`)
+   learns, at every position t, the target's choice after token t+1 from (token t+1, fused taps at t), and one
+   step further from its own output (EAGLE-3's training-time test, approximated: the second step attends
+   causally over second-step keys only). Head and final norm start from the target's.
 
     python benchmarks/eagle3_train.py --model ~/.cache/dflash-mlx/models/smollm2-135m --out /tmp/eagle3-smollm2
     dflash-mlx bench --model smollm2-135m --draft /tmp/eagle3-smollm2 --tree-budget 4,8 --no-lookup
@@ -25,30 +27,24 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
-from dflash_mlx.bench.prompts import encode_prompt, load_prompts
 from dflash_mlx.drafters.eagle3 import Eagle3Drafter
 from dflash_mlx.drafters.eagle3_config import Eagle3Config, default_taps
 from dflash_mlx.drafters.io import save_drafter
 from dflash_mlx.targets import build_target
 
 
-def answers(model, tokenizer, prompts, max_tokens: int):
-    """(prompt + greedy answer ids, index of the first answer token) per prompt."""
-    out = []
-    eos = set(tokenizer.eos_token_ids)
-    for p in prompts:
-        ids = encode_prompt(tokenizer, p.text)
-        answer = []
-        for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens,
-                                    sampler=lambda x: mx.argmax(x, axis=-1)):
-            answer.append(int(tok))
-            if int(tok) in eos:
-                break
-        out.append((ids + answer, len(ids)))
-    return out
+def texts(skip: int, count: int):
+    """HumanEval tasks `skip`..`skip + count`: each prompt with its canonical solution."""
+    import gzip
+    import json
+
+    from dflash_mlx.bench.prompts import prompt_set_file
+
+    with gzip.open(prompt_set_file("humaneval"), "rt") as f:
+        records = [json.loads(line) for line in f]
+    return [r["prompt"] + r["canonical_solution"] for r in records[skip : skip + count]]
 
 
 def step_forward(drafter: Eagle3Drafter, embeds: mx.array, hidden: mx.array) -> mx.array:
@@ -71,10 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--prompts", default="humaneval")
     ap.add_argument("--skip", type=int, default=10, help="prompts left for the bench")
-    ap.add_argument("--num-prompts", type=int, default=80)
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--num-prompts", type=int, default=150, help="texts to distill from")
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -84,28 +78,25 @@ def main() -> None:
     t0 = time.perf_counter()
     mx.random.seed(args.seed)
     model, tokenizer = mlx_lm_load(str(Path(args.model).expanduser()))
-    prompts = load_prompts(args.prompts)[args.skip : args.skip + args.num_prompts]
-    data = answers(model, tokenizer, prompts, args.max_tokens)
-    print(f"{len(data)} answers, {sum(len(s) - a for s, a in data)} answer tokens ({time.perf_counter() - t0:.0f}s)")
-
     n = len(model.layers)
     taps = default_taps(n)
     target = build_target(model, taps)
-    feats, tokens, starts = [], [], []
-    for seq, start in data:
-        ids = mx.array([seq], dtype=mx.int32)
-        _, hidden = target(ids, target.make_cache())
-        mx.eval(hidden)
+    feats, tokens, choices = [], [], []
+    for text in texts(args.skip, args.num_prompts):
+        ids = tokenizer.encode(text)
+        logits, hidden = target(mx.array([ids], dtype=mx.int32), target.make_cache())
+        choice = mx.argmax(logits[0], axis=-1)
+        mx.eval(hidden, choice)
         feats.append(hidden.astype(mx.float32))
-        tokens.append(seq)
-        starts.append(start)
-    answer_ids = np.concatenate([np.array(s[a:]) for s, a in zip(tokens, starts)])
+        tokens.append(ids)
+        choices.append(np.array(choice))
+    print(f"{len(tokens)} texts, {sum(len(t) for t in tokens)} tokens ({time.perf_counter() - t0:.0f}s)")
     V, H = target.vocab_size, target.hidden_size
-    counts = np.bincount(answer_ids, minlength=V)
+    counts = np.bincount(np.concatenate(choices), minlength=V)
     kept = np.sort(np.argsort(-counts, kind="stable")[: args.draft_vocab])
     to_draft = np.full(V, -1, dtype=np.int64)
     to_draft[kept] = np.arange(kept.size)
-    print(f"draft vocabulary {kept.size}: covers {counts[kept].sum() / counts.sum():.1%} of answer tokens")
+    print(f"draft vocabulary {kept.size}: covers {counts[kept].sum() / counts.sum():.1%} of the target's choices")
 
     cfg = model.args
     config = Eagle3Config(hidden_size=H, num_attention_heads=cfg.num_attention_heads,
@@ -128,7 +119,7 @@ def main() -> None:
         l1 = nn.losses.cross_entropy(d.draft_logits(g1), mx.maximum(y1, 0), reduction="none")
         g2 = step_forward(d, e2, g1)
         l2 = nn.losses.cross_entropy(d.draft_logits(g2), mx.maximum(y2, 0), reduction="none")
-        m1, m2 = (y1 >= 0), (y2 >= 0)  # answer positions whose token the draft vocabulary holds
+        m1, m2 = (y1 >= 0), (y2 >= 0)  # positions whose label the draft vocabulary holds
         return ((l1 * m1).sum() + 0.5 * (l2 * m2).sum()) / mx.maximum(m1.sum(), 1)
 
     opt = optim.AdamW(learning_rate=optim.cosine_decay(args.lr, args.steps), weight_decay=0.0)
@@ -136,14 +127,12 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     for step in range(args.steps):
         i = int(rng.integers(len(tokens)))
-        seq, start, f = tokens[i], starts[i], feats[i]
-        L = len(seq) - 3
-        ids = np.array(seq)
-        # pair t: (token t+1, taps at t) -> token t+2; second step: (token t+2, its output) -> token t+3
-        y1 = to_draft[ids[2 : L + 2]]
-        y2 = to_draft[ids[3 : L + 3]]
-        y1[: max(0, start - 2)] = -1
-        y2[: max(0, start - 3)] = -1
+        ids, choice, f = np.array(tokens[i]), choices[i], feats[i]
+        L = len(ids) - 2
+        # pair t: (token t+1, taps at t) -> the target's choice after token t+1; second step: (token t+2, the
+        # first step's output at t) -> its choice after token t+2
+        y1 = to_draft[choice[1 : L + 1]]
+        y2 = to_draft[choice[2 : L + 2]]
         e1 = embed(mx.array(ids[None, 1 : L + 1]))
         e2 = embed(mx.array(ids[None, 2 : L + 2]))
         loss, grads = grad(drafter, e1, f[:, :L], mx.array(y1[None]), e2, mx.array(y2[None]))

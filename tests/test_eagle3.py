@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -323,3 +322,45 @@ def test_lookup_adaptive_widths_a_batch_and_a_second_turn_stay_lossless():
     second = [t for p in Generation(target, drafter, follow, max_tokens=15, width=4, state=state, lookup=False,
                                     tree_budget=5) for t in p.tokens]
     assert second == plain(model, prompt + first + follow, 15)
+
+
+def test_tree_candidates_are_each_rows_top_k_with_ties_by_lower_id():
+    from dflash_mlx.decode.proposers.eagle3 import _top
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        V = int(rng.integers(2, 40))
+        k = int(rng.integers(1, V + 1))
+        logq = rng.integers(0, 6, size=(3, V)).astype(np.float32)  # many ties
+        ids, lps = _top(logq, k)
+        expected = np.argsort(-logq, axis=-1, kind="stable")[:, :k]
+        assert (ids == expected).all() and (lps == np.take_along_axis(logq, expected, axis=-1)).all()
+
+
+def test_server_replies_as_plain_decoding_and_bench_runs_it(on_disk):
+    import openai
+
+    from dflash_mlx import load
+    from dflash_mlx.bench import BenchConfig, format_table, run_bench
+    from dflash_mlx.server import ServerSettings, create_app, start_in_thread
+
+    target_dir, spec = on_disk[0], on_disk[1]
+    model, tokenizer, drafter = load(str(target_dir), drafter=str(spec))
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = tokenizer.decode(plain(model, ids, 12))
+    running = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name="m")))
+    try:
+        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
+        for _ in range(2):  # the second time from the prefix cache
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+            assert want.startswith(reply.choices[0].message.content)
+    finally:
+        running.stop()
+    report = run_bench(BenchConfig(model=str(target_dir), draft=str(spec), num_prompts=1, max_tokens=12,
+                                   profile=False, verify_prompts=0, warmup=False, progress=False, lookup=False,
+                                   chat_template=False, tree_budgets=[4]))
+    rows = [line.split() for line in format_table(report).splitlines()
+            if line.startswith(("mlx-lm", "eagle3 ")) and ":" not in line]
+    assert {" ".join(r[:-10]) for r in rows} == {"mlx-lm", "eagle3 adaptive", "eagle3 adaptive tree=4", "eagle3 B=4"}
+    assert all(r[-1] == "1/1" for r in rows)  # every method's output equals plain decoding's
