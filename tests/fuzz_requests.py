@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 LIMITS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
 
 _text = st.text(max_size=12)
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**40) | st.floats(allow_nan=False) | _text,
+_number = st.integers(-2, 2**40) | st.floats(allow_nan=False, allow_infinity=False)  # what JSON can carry
+_json = st.recursive(st.none() | st.booleans() | _number | _text,
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
                      max_leaves=8)
 
