@@ -7,7 +7,7 @@ Prints the requests sent, the answers by status, the 5xx count, the tracebacks l
 the rules (an error outside its route's dialect, a 400 that does not say what is wrong, a reply that does not
 match the schema), and the connections dropped; exits 1 if any of those is not 0.
 
-    python benchmarks/server_fuzz.py                     # about 6 500 requests
+    python benchmarks/server_fuzz.py                     # about 5 000 requests
     python benchmarks/server_fuzz.py --examples 50 --bodies 100 --seed 7
 """
 
