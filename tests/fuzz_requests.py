@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 LIMITS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
 
 _text = st.text(max_size=12)
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**40) | st.floats(allow_nan=False) | _text,
+_number = st.integers(-2, 2**40) | st.floats(allow_nan=False, allow_infinity=False)  # what JSON can carry
+_json = st.recursive(st.none() | st.booleans() | _number | _text,
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
                      max_leaves=8)
 
@@ -44,26 +45,39 @@ _anthropic_block = st.one_of(
     st.dictionaries(_text, _json, max_size=2),
 )
 _anthropic_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]),
+     "content": _text | st.lists(_anthropic_block, min_size=1, max_size=3)})
+_odd_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system"]) | _json},
     optional={"content": _text | st.lists(_anthropic_block, max_size=3) | _json})
 _anthropic_tool = _maybe(name=_text | _json, description=_text, input_schema=_json, type=_text)
+_anthropic_options = dict(
+    model=_text, system=_text | st.lists(_block_of("text", text=_text), max_size=2) | _json,
+    stream=st.booleans() | st.none(), stop_sequences=st.lists(_text, max_size=2) | _json,
+    temperature=st.floats(0, 2) | _json, tools=st.lists(_anthropic_tool, max_size=2) | _json,
+    tool_choice=_maybe(type=st.sampled_from(["auto", "any", "tool", "none"]) | _text, name=_text) | _json,
+    thinking=_maybe(type=st.sampled_from(["enabled", "disabled"]) | _text, budget_tokens=_json),
+    metadata=_json)
 
 
 def anthropic_bodies() -> st.SearchStrategy:
-    """/v1/messages and count_tokens bodies: mostly well-formed around one odd part."""
-    return _maybe(
-        model=_text, system=_text | st.lists(_block_of("text", text=_text), max_size=2) | _json,
-        messages=st.lists(_anthropic_message, min_size=0, max_size=4) | _json,
-        max_tokens=st.integers(-1, 2) | _json, stream=st.booleans() | st.none(),
-        stop_sequences=st.lists(_text, max_size=2) | _json, temperature=st.floats(-1, 2) | _json,
-        tools=st.lists(_anthropic_tool, max_size=2) | _json, tool_choice=_maybe(type=_text, name=_text) | _json,
-        thinking=_maybe(type=st.sampled_from(["enabled", "disabled"]) | _text, budget_tokens=_json),
-        metadata=_json)
+    """/v1/messages and count_tokens bodies: most well-formed around odd parts (content blocks of every kind,
+    tool results holding any JSON), some odd throughout."""
+    well_formed = st.fixed_dictionaries(
+        {"messages": st.lists(_anthropic_message, min_size=1, max_size=4), "max_tokens": st.integers(1, 2)},
+        optional=_anthropic_options)
+    odd = _maybe(messages=st.lists(_odd_message, max_size=4) | _json, max_tokens=st.integers(-1, 2) | _json,
+                 **_anthropic_options)
+    return st.one_of(well_formed, well_formed, odd)
 
 
 _part = st.one_of(_block_of("input_text", text=_text | _json), _block_of("output_text", text=_text),
                   _block_of("input_image", image_url=_text), _json)
+_user_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer"]),
+                                       "content": _text | st.lists(_part, min_size=1, max_size=3)},
+                                      optional={"type": st.just("message")})
 _responses_item = st.one_of(
+    _user_message,
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer"]) | _json},
                           optional={"type": st.just("message"), "content": _text | st.lists(_part, max_size=3)
                                     | _json}),
@@ -83,16 +97,22 @@ _responses_tool = st.one_of(
               | _json),
     _block_of("custom", name=_text | _json, format=_json),
     _block_of("web_search"), _json)
+_responses_options = dict(
+    model=_text, instructions=_text | _json, previous_response_id=_text | _json, store=st.booleans() | st.none(),
+    stream=st.booleans() | st.none(), tools=st.lists(_responses_tool, max_size=3) | _json,
+    tool_choice=st.sampled_from(["auto", "none", "required"]) | _maybe(type=_text, name=_text) | _json,
+    text=_maybe(format=_maybe(type=_text)) | _json, reasoning=_json, metadata=_json, temperature=_json)
 
 
 def responses_bodies() -> st.SearchStrategy:
-    """/v1/responses bodies."""
-    return _maybe(
-        model=_text, input=_text | st.lists(_responses_item, max_size=4) | _json, instructions=_text | _json,
-        previous_response_id=_text | _json, store=st.booleans() | st.none(), max_output_tokens=st.integers(-1, 2),
-        stream=st.booleans() | st.none(), tools=st.lists(_responses_tool, max_size=3) | _json,
-        tool_choice=st.sampled_from(["auto", "none", "required"]) | _maybe(type=_text, name=_text) | _json,
-        text=_maybe(format=_maybe(type=_text)) | _json, reasoning=_json, metadata=_json, temperature=_json)
+    """/v1/responses bodies: most start with a message and hold input items and tools of every kind."""
+    well_formed = st.fixed_dictionaries(
+        {"input": _text | st.builds(lambda first, rest: [first] + rest, _user_message,
+                                    st.lists(_responses_item, max_size=3)),
+         "max_output_tokens": st.integers(1, 2)}, optional=_responses_options)
+    odd = _maybe(input=_text | st.lists(_responses_item, max_size=4) | _json,
+                 max_output_tokens=st.integers(-1, 2), **_responses_options)
+    return st.one_of(well_formed, well_formed, odd)
 
 
 def bounded(path: str, body: Any) -> Any:

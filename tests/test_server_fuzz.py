@@ -61,8 +61,8 @@ def log():
 
 
 def without_lifespan(app):
-    """The app as schemathesis should see it: its lifespan is the module's (schemathesis ends the lifespans it
-    started after each test, which would stop the server's worker for the next)."""
+    """The app without its lifespan, whose end stops the server's worker: schemathesis ends the lifespans it
+    started after each test, and a TestClient as it closes, but the module's tests share one app."""
 
     async def wrapped(scope, receive, send):
         if scope["type"] != "lifespan":
@@ -119,7 +119,7 @@ def test_schemathesis(operations, label, log):
                                          ("/v1/responses", fuzz_requests.responses_bodies())])
 def test_generated_bodies(app, log, path, bodies):
     statuses = set()
-    with TestClient(app) as client:
+    with TestClient(without_lifespan(app)) as client:  # the app's lifespan would stop the worker on leaving
         @fixed(BODIES)
         @given(body=bodies)
         def run(body):
