@@ -152,8 +152,17 @@ def pct(values: List[float], q: float) -> Optional[float]:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def counters(base: str) -> Dict[str, float]:
+    """The server's generation counters (/metrics)."""
+    text = httpx.get(base + "/metrics", timeout=30).text
+    names = ("dflash_generations_total", "dflash_generations_cancelled_total", "dflash_completion_tokens_total")
+    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.split()[:1] and
+            line.split()[0] in names}
+
+
 def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) -> Dict:
     results: List[Optional[Dict]] = [None] * args.clients
+    before = counters(base)
     start = time.monotonic()
 
     def client(i):
@@ -170,6 +179,7 @@ def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) ->
     idle = wait_idle(base, 120)
     time.sleep(args.settle)  # the server gives freed memory back after a short idle spell (server/memory.py)
     settled = rss_bytes(sampler.pid)
+    after = counters(base)
     end = time.monotonic()
     done = [r for r in results if r is not None]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None and r["ended"] == "completed"]
@@ -182,6 +192,12 @@ def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) ->
         "completed": sum(r["ended"] == "completed" and r["status"] == 200 for r in done),
         "abandoned": sum(r["ended"] != "completed" for r in done),
         "how_they_ended": {k: sum(r["ended"] == k for r in done) for k in sorted({r["ended"] for r in done})},
+        # Generations the server stopped as cancelled: one per client that left while its request ran (a leaver
+        # whose generation ran on to its end instead is missing here), and the tokens generated in all.
+        "generations": after["dflash_generations_total"] - before["dflash_generations_total"],
+        "generations_cancelled": (after["dflash_generations_cancelled_total"] -
+                                  before["dflash_generations_cancelled_total"]),
+        "tokens_generated": after["dflash_completion_tokens_total"] - before["dflash_completion_tokens_total"],
         "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
         "seconds": round(last_left - start, 2), "idle_after_last_client_s": idle,
         "rss_start_mib": rss[0] / 2**20 if rss else None, "rss_peak_mib": max(rss) / 2**20 if rss else None,
