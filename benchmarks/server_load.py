@@ -5,9 +5,10 @@ Starts `dflash-mlx serve` as a subprocess on 127.0.0.1 (the demo pair by default
 --rounds rounds of --clients clients at once, one request each (greedy, chat completions, a shared system prompt
 and a question of its own per client and round). Clients by index, in eights:
   0, 2  streamed, read to the end            1, 3, 7  not streamed, read to the end
-  4     streamed, hangs up before its first token unless it arrives within --patience s (mid-prefill)
+  4     streamed, hangs up if its first token has not come within its patience (queued or mid-prefill)
   5     streamed, hangs up after its third chunk (mid-decode)
-  6     not streamed, hangs up after --patience s (mid-prefill or mid-decode, whichever it is in)
+  6     not streamed, hangs up after its patience (queued, mid-prefill or mid-decode, whichever it is in)
+(a leaver's patience: 1, 4, 7 or 10 times --patience, by the client's index)
 so 3 in 8 (37.5%) abandon. Per round: requests served (200), refused with 503 by the queue bound (--max-queue),
 abandoned, time to first token (streamed replies, as the client sees it: p50/p99), the server's resident memory
 (sampled every 0.25 s: at the start, the peak, and --settle s after the round went idle), and the seconds from the last
@@ -167,8 +168,11 @@ def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) ->
 
     def client(i):
         role = ROLES[i % len(ROLES)]
+        # Leavers' patience grows with the client's index (1x, 4x, 7x, 10x --patience): some leave while queued,
+        # some in their prefill, some in their decode.
+        patience = args.patience * (1 + 3 * ((i // len(ROLES)) % 4))
         results[i] = one_client(base, role, prompt_of(i, round_, system, args.user_words), args.max_tokens,
-                                args.patience)
+                                patience)
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
     for t in threads:
@@ -198,6 +202,11 @@ def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) ->
         "generations_cancelled": (after["dflash_generations_cancelled_total"] -
                                   before["dflash_generations_cancelled_total"]),
         "tokens_generated": after["dflash_completion_tokens_total"] - before["dflash_completion_tokens_total"],
+        # Generations neither cancelled nor read to the end by their client: abandoned ones that ran on (0 is right).
+        "abandoned_but_run_to_the_end": (after["dflash_generations_total"] - before["dflash_generations_total"]
+                                         - (after["dflash_generations_cancelled_total"] -
+                                            before["dflash_generations_cancelled_total"])
+                                         - sum(r["ended"] == "completed" and r["status"] == 200 for r in done)),
         "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
         "seconds": round(last_left - start, 2), "idle_after_last_client_s": idle,
         "rss_start_mib": rss[0] / 2**20 if rss else None, "rss_peak_mib": max(rss) / 2**20 if rss else None,
@@ -301,6 +310,8 @@ def main() -> int:
         "ttft_p99_s": pct([x["ttft"] for r in rounds for x in r["results"] if x and x["ttft"] and
                            x["ended"] == "completed"], 0.99),
         "replies_checked_alone": checked, "replies_identical": same,
+        "generations_cancelled": sum(r["generations_cancelled"] for r in rounds),
+        "abandoned_but_run_to_the_end": sum(r["abandoned_but_run_to_the_end"] for r in rounds),
         "idle_after_last_client_max_s": slowest_idle, "rss_idle_mib_by_round": idle_rss,
         "rss_peak_mib_by_round": [r["rss_peak_mib"] for r in rounds], "rss_growth_round2_to_3_pct": growth,
         "server_log": log,
