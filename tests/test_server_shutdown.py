@@ -157,10 +157,10 @@ def test_a_pass_outlasting_the_stop_is_answered_and_left_behind(deltas, monkeypa
     """Before any event the client gets a 503; after some, a cancelled Outcome counting what it got. `stop`
     returns while the pass still runs (one line), and the pass's late events go nowhere."""
     monkeypatch.setattr(worker_module, "ANSWER_AFTER_S", 0.0)
-    monkeypatch.setattr(worker_module, "STOP_BY_S", 0.0)
     caplog.set_level(logging.WARNING, "dflash_mlx")
     gen = HeldPass(deltas)
     worker = Worker(gen, on_exit=gen.persist)
+    worker.stop_by_s = 0.0  # as `dflash-mlx serve` bounds it (to worker.STOP_BY_S)
 
     async def scenario():
         job = Job(GenerationRequest(prompt=[1, 2, 3], max_tokens=8), asyncio.get_running_loop())
