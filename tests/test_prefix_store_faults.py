@@ -57,7 +57,10 @@ def test_writers_killed_at_random_moments_leave_no_damaged_entry(tmp_path):
 
     def expect(prefix: str) -> str:
         while True:
-            line = lines.get(timeout=120)
+            try:
+                line = lines.get(timeout=120)
+            except queue.Empty:
+                raise AssertionError(f"the writer printed no '{prefix}' line within 120 s") from None
             if line.startswith(prefix):
                 return line
 
@@ -235,3 +238,19 @@ def test_a_read_only_folder_is_read_and_never_written(tmp_path, caplog, monkeypa
     finally:
         tmp_path.chmod(0o755)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+
+
+def test_an_entry_named_the_old_way_is_adopted_with_its_checksum(tmp_path):
+    """Entries written before names carried a checksum are renamed to carry one and load as before; another
+    pair's are left as they are."""
+    store = PrefixStore(tmp_path, "pair", 1 << 30)
+    key, snap = entry(2, 7)
+    store.save(key, snap)
+    (path,) = tmp_path.glob(f"{PREFIX}*{SUFFIX}")
+    old = path.with_name(path.name[: len(PREFIX) + 40] + SUFFIX)
+    path.rename(old)
+    PrefixStore(tmp_path, "other-pair", 1 << 30)
+    assert _files(tmp_path) == [old.name]
+    store = PrefixStore(tmp_path, "pair", 1 << 30)
+    assert _files(tmp_path) == [path.name]
+    _assert_exact(store, store.entries[tuple(key)])
