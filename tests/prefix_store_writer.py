@@ -54,7 +54,11 @@ def entry(entry_id: int, version: int):
 
 
 def _write_forever(folder: Path, budget: int, round_: int, signal_fd: int) -> None:
+    import mlx.core as mx
+
     from dflash_mlx.server.prefix_store import PrefixStore
+
+    mx.set_default_device(mx.cpu)  # a forked child keeps off the GPU (on macOS, Metal after fork is unsafe)
 
     store = PrefixStore(folder, "writer-pair", budget)
     n = 0

@@ -51,7 +51,8 @@ def test_writers_killed_at_random_moments_leave_no_damaged_entry(tmp_path):
     evicting others to keep the budget); after each, a restarted store loads every entry it lists, exactly."""
     budget = 5 * entry(0, 0)[1].nbytes  # fewer than IDS entries fit: writes also delete
     writer = subprocess.Popen([sys.executable, str(HERE / "prefix_store_writer.py"), str(tmp_path), str(budget)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE.parent,
+                              env=dict(os.environ, OBJC_DISABLE_INITIALIZE_FORK_SAFETY="YES"))  # macOS: it forks
     lines: "queue.Queue[str]" = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in writer.stdout], daemon=True).start()
 
