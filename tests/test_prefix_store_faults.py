@@ -13,7 +13,6 @@ import queue
 from pathlib import Path
 
 import httpx
-import mlx.core as mx
 import numpy as np
 import pytest
 

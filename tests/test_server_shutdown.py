@@ -5,7 +5,6 @@ an event). Also: serving beyond loopback without --api-key says so in one line."
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 import subprocess
