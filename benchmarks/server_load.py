@@ -5,9 +5,10 @@ Starts `dflash-mlx serve` as a subprocess on 127.0.0.1 (the demo pair by default
 --rounds rounds of --clients clients at once, one request each (greedy, chat completions, a shared system prompt
 and a question of its own per client and round). Clients by index, in eights:
   0, 2  streamed, read to the end            1, 3, 7  not streamed, read to the end
-  4     streamed, hangs up before its first token unless it arrives within --patience s (mid-prefill)
+  4     streamed, hangs up if its first token has not come within its patience (queued or mid-prefill)
   5     streamed, hangs up after its third chunk (mid-decode)
-  6     not streamed, hangs up after --patience s (mid-prefill or mid-decode, whichever it is in)
+  6     not streamed, hangs up after its patience (queued, mid-prefill or mid-decode, whichever it is in)
+(a leaver's patience: 1, 4, 7 or 10 times --patience, by the client's index)
 so 3 in 8 (37.5%) abandon. Per round: requests served (200), refused with 503 by the queue bound (--max-queue),
 abandoned, time to first token (streamed replies, as the client sees it: p50/p99), the server's resident memory
 (sampled every 0.25 s: at the start, the peak, and --settle s after the round went idle), and the seconds from the last
@@ -30,7 +31,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,14 +152,26 @@ def pct(values: List[float], q: float) -> Optional[float]:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def counters(base: str) -> Dict[str, float]:
+    """The server's generation counters (/metrics)."""
+    text = httpx.get(base + "/metrics", timeout=30).text
+    names = ("dflash_generations_total", "dflash_generations_cancelled_total", "dflash_completion_tokens_total")
+    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.split()[:1] and
+            line.split()[0] in names}
+
+
 def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) -> Dict:
     results: List[Optional[Dict]] = [None] * args.clients
+    before = counters(base)
     start = time.monotonic()
 
     def client(i):
         role = ROLES[i % len(ROLES)]
+        # Leavers' patience grows with the client's index (1x, 4x, 7x, 10x --patience): some leave while queued,
+        # some in their prefill, some in their decode.
+        patience = args.patience * (1 + 3 * ((i // len(ROLES)) % 4))
         results[i] = one_client(base, role, prompt_of(i, round_, system, args.user_words), args.max_tokens,
-                                args.patience)
+                                patience)
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
     for t in threads:
@@ -170,6 +182,7 @@ def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) ->
     idle = wait_idle(base, 120)
     time.sleep(args.settle)  # the server gives freed memory back after a short idle spell (server/memory.py)
     settled = rss_bytes(sampler.pid)
+    after = counters(base)
     end = time.monotonic()
     done = [r for r in results if r is not None]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None and r["ended"] == "completed"]
@@ -182,6 +195,17 @@ def run_round(base: str, round_: int, args, system: str, sampler: RssSampler) ->
         "completed": sum(r["ended"] == "completed" and r["status"] == 200 for r in done),
         "abandoned": sum(r["ended"] != "completed" for r in done),
         "how_they_ended": {k: sum(r["ended"] == k for r in done) for k in sorted({r["ended"] for r in done})},
+        # Generations the server stopped as cancelled: one per client that left while its request ran (a leaver
+        # whose generation ran on to its end instead is missing here), and the tokens generated in all.
+        "generations": after["dflash_generations_total"] - before["dflash_generations_total"],
+        "generations_cancelled": (after["dflash_generations_cancelled_total"] -
+                                  before["dflash_generations_cancelled_total"]),
+        "tokens_generated": after["dflash_completion_tokens_total"] - before["dflash_completion_tokens_total"],
+        # Generations neither cancelled nor read to the end by their client: abandoned ones that ran on (0 is right).
+        "abandoned_but_run_to_the_end": (after["dflash_generations_total"] - before["dflash_generations_total"]
+                                         - (after["dflash_generations_cancelled_total"] -
+                                            before["dflash_generations_cancelled_total"])
+                                         - sum(r["ended"] == "completed" and r["status"] == 200 for r in done)),
         "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
         "seconds": round(last_left - start, 2), "idle_after_last_client_s": idle,
         "rss_start_mib": rss[0] / 2**20 if rss else None, "rss_peak_mib": max(rss) / 2**20 if rss else None,
@@ -285,6 +309,8 @@ def main() -> int:
         "ttft_p99_s": pct([x["ttft"] for r in rounds for x in r["results"] if x and x["ttft"] and
                            x["ended"] == "completed"], 0.99),
         "replies_checked_alone": checked, "replies_identical": same,
+        "generations_cancelled": sum(r["generations_cancelled"] for r in rounds),
+        "abandoned_but_run_to_the_end": sum(r["abandoned_but_run_to_the_end"] for r in rounds),
         "idle_after_last_client_max_s": slowest_idle, "rss_idle_mib_by_round": idle_rss,
         "rss_peak_mib_by_round": [r["rss_peak_mib"] for r in rounds], "rss_growth_round2_to_3_pct": growth,
         "server_log": log,

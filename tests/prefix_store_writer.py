@@ -1,9 +1,11 @@
-"""A prompt-cache writer for tests/test_prefix_store_faults.py to kill with SIGKILL at random moments.
+"""A prompt-cache writer for tests/test_prefix_store_faults.py, killed with SIGKILL at random moments.
 
-It imports the store once, then for every line `go ROUND` on stdin forks a child that rewrites entries into the
-folder without end (printing `saved ID VERSION` after each) and prints `child PID`; it waits for that child to
-die (the test kills it), prints `reaped`, and reads the next line. Forking keeps each of the many writers cheap
-to start: the parent runs no MLX work, so the child begins from a clean state.
+It imports the store once; then for every line `go ROUND DELAY_S` on stdin it forks a child that rewrites entries
+into the folder without end, waits until the child has saved its first whole entry, sleeps DELAY_S (the writes
+go on meanwhile), kills the child with SIGKILL, reaps it and prints `done SAVED STATUS` (SAVED: 1 once an entry
+was saved; STATUS: the child's wait status). Forking keeps each of the many writers cheap to start: the parent
+runs no MLX work, so the child begins from a clean state. The parent does the killing, so the test only reads
+lines of one process.
 
 Every entry's arrays are a function of its key (`entry(id, version)`), so the test can tell whether a loaded entry
 is exact.
@@ -14,7 +16,9 @@ is exact.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,15 +53,21 @@ def entry(entry_id: int, version: int):
     return key, Snapshot(caches, None, None, len(key), sum(c.nbytes for c in caches), True)
 
 
-def _write_forever(folder: Path, budget: int, round_: int) -> None:
+def _write_forever(folder: Path, budget: int, round_: int, signal_fd: int) -> None:
+    import mlx.core as mx
+
     from dflash_mlx.server.prefix_store import PrefixStore
+
+    mx.set_default_device(mx.cpu)  # a forked child keeps off the GPU (on macOS, Metal after fork is unsafe)
 
     store = PrefixStore(folder, "writer-pair", budget)
     n = 0
     while True:
         entry_id, version = n % IDS, round_ * 100_000 + n
         store.save(*entry(entry_id, version))
-        print(f"saved {entry_id} {version}", flush=True)
+        if n == 0:
+            os.write(signal_fd, b"s")  # one whole entry is on disk
+            os.close(signal_fd)
         n += 1
 
 
@@ -67,16 +77,22 @@ def main() -> None:
 
     print("ready", flush=True)
     for line in sys.stdin:
-        round_ = int(line.split()[1])
+        _, round_, delay = line.split()
+        read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
-                _write_forever(folder, budget, round_)
+                os.close(read_fd)
+                _write_forever(folder, budget, int(round_), write_fd)
             finally:
                 os._exit(1)
-        print(f"child {pid}", flush=True)
-        os.waitpid(pid, 0)
-        print("reaped", flush=True)
+        os.close(write_fd)
+        saved = os.read(read_fd, 1) == b"s"  # b"": the child died before it saved anything
+        time.sleep(float(delay))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        os.close(read_fd)
+        print(f"done {int(saved)} {status}", flush=True)
 
 
 if __name__ == "__main__":

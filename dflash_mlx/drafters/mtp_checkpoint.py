@@ -16,7 +16,7 @@ from ..errors import DFlashError
 
 
 def _no_mtp(where: str, tensors: str = "mtp.* tensors") -> DFlashError:
-    return DFlashError(f"{where} has no MTP layers ({tensors}); use a DFlash drafter or drafter='lookup'")
+    return DFlashError(f"{where} has no MTP layers ({tensors}); use a DFlash drafter or 'lookup' (--draft lookup)")
 
 
 def _header(path: Path) -> Dict[str, Any]:

@@ -73,6 +73,19 @@ def check_remote_code(local: Path, shown: str) -> None:
                               "trust its author")
 
 
+def check_target_location(path_or_repo: str) -> Path:
+    """The target as a local path, or one error when it names no model folder and no hub repo id (no file read)."""
+    local = Path(path_or_repo).expanduser()
+    if local.exists() and not local.is_dir():
+        raise DFlashError(f"target '{path_or_repo}' is a file; give the model's folder (the one holding config.json "
+                          "and the *.safetensors files)")
+    if local.exists() and not (local / "config.json").is_file():
+        raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")
+    if not local.exists() and not is_repo_id(path_or_repo):
+        raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
+    return local
+
+
 def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
                 revision: Optional[str] = None) -> Tuple[nn.Module, TokenizerWrapper]:
     """mlx-lm's loader for a local model directory or a hub repo id, with one-line errors."""
@@ -82,14 +95,7 @@ def load_target(path_or_repo: str, tokenizer_config: Optional[dict] = None,
 
     warn_if_skipped()
 
-    local = Path(path_or_repo).expanduser()
-    if local.exists() and not local.is_dir():
-        raise DFlashError(f"target '{path_or_repo}' is a file; give the model's folder (the one holding config.json "
-                          "and the *.safetensors files)")
-    if local.exists() and not (local / "config.json").is_file():
-        raise DFlashError(f"target '{path_or_repo}' has no config.json; point --model at an mlx-lm model directory")
-    if not local.exists() and not is_repo_id(path_or_repo):
-        raise DFlashError(f"target '{path_or_repo}' not found: give a local model directory or a hub repo id (org/name)")
+    local = check_target_location(path_or_repo)
     if local.exists():
         check_family(local, path_or_repo)
         check_remote_code(local, path_or_repo)
@@ -265,8 +271,9 @@ def load(
         prepare(model, draft_model, probe=True)
         return model, tokenizer, draft_model
     if drafter is None:
-        raise DFlashError("no drafter given: pass drafter=PATH_OR_REPO (a DFlash drafter for this target), or "
-                          "drafter='lookup' to draft by copying from the context")
+        check_target_location(target_ref)  # a mistyped target is the mistake to name first
+        raise DFlashError("no drafter given: pass one (--draft PATH_OR_REPO, drafter= in Python: a DFlash drafter "
+                          "for this target), or 'lookup' to draft by copying from the context")
     draft_model = load_drafter(drafter_location(drafter, draft_revision), revision=draft_revision, fastest=True)
     draft_model.made_for = made_for  # what a collapse warning may say of the pair (stats.CollapseWatch)
     model, tokenizer = load_target(target_ref, tokenizer_config, revision)

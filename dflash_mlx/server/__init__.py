@@ -157,9 +157,9 @@ def serve_loaded(target, tokenizer, drafter, settings: ServerSettings, *, host: 
 
     `on_app(app)` runs once the app exists and before it takes a request: the place a caller adjusts it
     (`dflash_mlx.distributed.serving` wraps the worker's generator so that every rank generates in lockstep).
-    Stopping (Ctrl-C, SIGTERM) takes at most a few seconds (`worker.STOP_BY_S`): a prompt chunk still running
-    then is not waited for. With `exit_process` (`dflash-mlx serve`) the process ends as the server does, without
-    the interpreter's teardown (which could abort beside a worker thread MLX still runs on).
+    With `exit_process` (`dflash-mlx serve`) stopping (Ctrl-C, SIGTERM) takes at most a few seconds
+    (`worker.STOP_BY_S`): a prompt chunk still running then is not waited for, and the process ends as the server
+    does, without the interpreter's teardown (which could abort beside a worker thread MLX still runs on).
     """
     if not is_loopback(host) and not settings.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
@@ -168,6 +168,10 @@ def serve_loaded(target, tokenizer, drafter, settings: ServerSettings, *, host: 
         app.state.server.generator.prefill_step_size = int(prefill_step_size)
     if on_app is not None:
         on_app(app)
+    if exit_process:
+        from .worker import STOP_BY_S
+
+        app.state.server.worker.stop_by_s = STOP_BY_S
     try:
         _uvicorn_server(_config(app, host, port, log_level)).run()
     except KeyboardInterrupt:

@@ -16,7 +16,8 @@ unreadable or whose size is not what its header says is removed (one line for al
 files of writers that died; before an entry is loaded its bytes are checked against the checksum in its name,
 and one that fails is skipped and removed with one line. A failed write (a full disk) is one line for a whole run
 of failures, and the request is served anyway; a folder that cannot be written is one line at start, and the
-server reads its entries but stores nothing there.
+server reads its entries but stores nothing there. Entries of this pair written before names carried a checksum
+(`prefix-<sha1 of the key>.safetensors`) are renamed to carry one when the folder is first read.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..errors import DFlashError
 from ..targets.caches import load_prompt_cache, save_prompt_cache
-from .durable import DIGEST_HEX, stale_temporaries, unwritable_reason, verify, write_durably
+from .durable import DIGEST_HEX, sha256_of, stale_temporaries, unwritable_reason, verify, write_durably
 from .prefix_cache import Snapshot
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -47,6 +48,7 @@ PREFIX = "prefix-"
 SUFFIX = ".safetensors"
 MARK = "dflash_mlx_prefix_entry"  # metadata key that says a file is one of ours
 NAME = re.compile(rf"{PREFIX}([0-9a-f]{{40}})-([0-9a-f]{{{DIGEST_HEX}}}){re.escape(SUFFIX)}")
+LEGACY = re.compile(rf"{PREFIX}[0-9a-f]{{40}}{re.escape(SUFFIX)}")  # the name before entries carried a checksum
 
 
 def fingerprint(*modules: Any) -> str:
@@ -101,8 +103,10 @@ class PrefixStore:
             return damaged
         for path in sorted(self.folder.glob(f"{PREFIX}*{SUFFIX}")):
             match = NAME.fullmatch(path.name)
+            if match is None and LEGACY.fullmatch(path.name) and self.writable:
+                path, match = self._adopt(path)
             if match is None:
-                continue  # not one of ours (or written before entries carried their checksum): left alone
+                continue  # not one of ours: left alone
             meta = _metadata(path)
             if meta is None:
                 damaged.append(path)
@@ -125,6 +129,20 @@ class PrefixStore:
             self.entries[key] = stored
             self._last_use = max(self._last_use, stored.path.stat().st_mtime_ns)
         return damaged
+
+    def _adopt(self, path: Path) -> Tuple[Path, Optional["re.Match"]]:
+        """An entry of this pair written before entries carried their checksum, renamed to carry it now (its
+        bytes are what they are: whole, since it was renamed into place, or cut short, which `_metadata` tells).
+        Anything else under the old name is left alone."""
+        meta = _metadata(path)
+        if meta is None or meta.get(MARK) != "1" or meta.get("pair") != self.pair:
+            return path, None
+        try:
+            named = path.with_name(f"{path.name[: -len(SUFFIX)]}-{sha256_of(path)}{SUFFIX}")
+            os.replace(path, named)
+        except OSError:
+            return path, None
+        return named, NAME.fullmatch(named.name)
 
     # -- reading -------------------------------------------------------------------------------------------------
     def best(self, tokens: Sequence[int], limit: int) -> Tuple[int, Optional[_Stored]]:

@@ -12,8 +12,9 @@ passes. More than `max_queue` waiting jobs are refused (the handler answers 503)
 Outcome (finish_reason "cancelled"), and answers the waiting ones with a 503. A pass cannot be interrupted, and a
 long prompt's prefill chunk may outlast the time a stopping server has (a service manager's SIGTERM, uvicorn's
 5 s for responses in flight): `ANSWER_AFTER_S` after shutdown began, a job still waiting on its pass is answered
-by the worker (a 503 before its first event, a cancelled Outcome after), and `stop` waits for the thread (and its
-flush of the prefix cache to disk) only until `STOP_BY_S`.
+by the worker (a 503 before its first event, a cancelled Outcome after). With `stop_by_s` set (`dflash-mlx serve`
+sets `STOP_BY_S`), `stop` waits for the thread (and its flush of the prefix cache to disk) only that long;
+otherwise (a server in a thread, a launcher's) up to 30 s.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .generation import Delta, GenerationRequest, Generator, Outcome, PrefillPro
 logger = logging.getLogger("dflash_mlx.server")
 
 ANSWER_AFTER_S = 2.5  # shutdown: jobs still waiting on a pass are answered by then (inside uvicorn's 5 s)
-STOP_BY_S = 3.5  # shutdown: the worker's last pass and its flush to disk get this long; the process then exits
+STOP_BY_S = 3.5  # a stopping process: the worker's last pass and its flush to disk get this long, then it exits
 
 
 POLL_SECONDS = 0.1  # how often a waiting handler asks whether its client is still there
@@ -129,6 +130,7 @@ class Worker:
         self.running = 0
         self._stopping = False
         self._stop_began: Optional[float] = None  # time.monotonic() of the first shutdown
+        self.stop_by_s: Optional[float] = None  # the most `stop` waits after shutdown began (None: 30 s)
         self._active: List[Tuple[Job, Iterator]] = []  # the running jobs (the worker thread's own list)
         self._thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
         self._thread.start()
@@ -178,17 +180,22 @@ class Worker:
 
     @property
     def stop_deadline(self) -> Optional[float]:
-        return None if self._stop_began is None else self._stop_began + STOP_BY_S
+        """time.monotonic() by which a stopping worker must be done (None: no deadline)."""
+        if self._stop_began is None or self.stop_by_s is None:
+            return None
+        return self._stop_began + self.stop_by_s
 
     def stop(self) -> None:
-        """`shutdown`, then end the thread: wait for it (its last pass, its flush to disk) until `STOP_BY_S` after
+        """`shutdown`, then end the thread: wait for it (its last pass, its flush to disk) until `stop_by_s` after
         shutdown began; a pass still running then is left behind with one line (the process is exiting)."""
         self.shutdown()
         self._queue.put(None)
-        self._thread.join(timeout=max(0.0, self.stop_deadline - time.monotonic()) + 0.25)
+        deadline = self.stop_deadline
+        self._thread.join(timeout=30 if deadline is None else max(0.0, deadline - time.monotonic()) + 0.25)
         if self._thread.is_alive():
             logger.warning("stopping: the worker was still busy %.1f s after shutdown began (a long prompt chunk or "
-                           "a write to disk); not waiting for it, what it had not written is not kept", STOP_BY_S)
+                           "a write to disk); not waiting for it, what it had not written is not kept",
+                           time.monotonic() - self._stop_began)
 
     def _start(self, job: Job, batched: bool) -> Optional[Iterator]:
         """The job's event iterator, or None when it is answered at once (client gone, shutting down)."""
