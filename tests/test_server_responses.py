@@ -246,7 +246,7 @@ def test_served_model_name_repeats_on_the_command_line(monkeypatch, capsys):
 
     seen = {}
 
-    def fake_serve(*, model, draft, quant, host, port, **options):
+    def fake_serve(*, model, draft, quant, host, port, prefill_step_size=None, **options):  # serve_from_cli's own
         seen["settings"] = settings_from_cli(model=model, draft=draft, **options)
 
     monkeypatch.setattr(server_pkg, "serve_from_cli", fake_serve)
