@@ -98,11 +98,12 @@ def replay(base: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return results
 
 
-def serve(model, tokenizer, drafter, plain: bool, max_tokens):
+def serve(model, tokenizer, drafter, plain: bool, max_tokens, tree_budget):
     from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 
     settings = ServerSettings(model_name="session", width=1 if plain else None, max_batch=1,
-                              default_max_tokens=max_tokens)
+                              default_max_tokens=max_tokens,
+                              tree_budget=tree_budget)
     return start_in_thread(create_app(model, tokenizer, drafter, settings))
 
 
@@ -155,7 +156,16 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="limit replies whose request sets none "
                         "(Codex sets none: a looping reply could otherwise run to the end of the context)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table and raw figures here (JSON)")
+    parser.add_argument("--tree-budget", default=None, help="the defaults' draft trees, as serve --tree-budget "
+                        "(auto, off or a number; default: the server's default)")
     args = parser.parse_args(argv)
+    from dflash_mlx.cli_options import tree_budget_value
+    from dflash_mlx.errors import DFlashError
+
+    try:
+        trees = tree_budget_value(args.tree_budget)
+    except DFlashError as e:
+        raise SystemExit(f"error: {e}")
     records = load_session(args.session)
     if not records:
         raise SystemExit(f"error: no recorded generation requests in {args.session} (files NNN_POST_v1_*.json as "
@@ -166,7 +176,7 @@ def main(argv=None) -> int:
     runs = {}
     for name, plain in (("defaults", False), ("plain", True)):
         print(f"{name}: {len(records)} requests", file=sys.stderr, flush=True)
-        running = serve(model, tokenizer, drafter, plain, args.max_tokens)
+        running = serve(model, tokenizer, drafter, plain, args.max_tokens, trees)
         try:
             runs[name] = replay(running.base, records)
         finally:
