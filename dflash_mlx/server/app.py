@@ -32,7 +32,7 @@ from ..decode.lookup import drafter_model
 from ..decode.sampling import SamplingParams
 from ..errors import DFlashError
 from .errors import APIError, ContextTooLong
-from .generation import GenerationRequest, Generator, Outcome
+from .generation import GenerationRequest, Generator
 from .memory import MemoryKeeper
 from .metrics import Metrics
 from .openai_format import ChatFormatter, CompletionFormatter

@@ -9,7 +9,7 @@ import urllib.request
 import webbrowser
 from typing import Optional
 
-from . import ServerSettings, check_address, serve_loaded
+from . import ServerSettings, serve_loaded
 from ..decode.budget import DEFAULT_TREES
 
 
