@@ -20,7 +20,7 @@ depth's candidates on the host (one sync per depth).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -29,22 +29,11 @@ from ..acceptance import Acceptor, SamplingAcceptor
 from ..proposal import Offer, Proposal, TreeProposal
 from ..sampling import log_distribution
 from ..state import DecodeState
+# An EAGLE-3 head drafts as an MTP head does: each step reads its own previous output and the last draft.
+from .mtp import MTPWalk as Eagle3Walk
 
 EAGLE3 = "eagle3"
 TREE_TOP_K = 4  # children per expanded node and nodes expanded per depth (at most the budget)
-
-
-class Eagle3Walk:
-    """Row 0 is the seed's logits; row i >= 1 runs one drafter step on (draft i-1, previous output)."""
-
-    def __init__(self, drafter, cache: List[Any], seed: mx.array, length: int):
-        self.drafter, self.cache, self.length = drafter, cache, length
-        self.hidden = seed  # [1, 1, H]
-
-    def row(self, i: int, prev: mx.array) -> mx.array:
-        if i > 0:
-            self.hidden = self.drafter.forward(prev.reshape(1, 1), self.hidden, self.cache)
-        return self.drafter.logits(self.hidden)[0, 0]
 
 
 class _Undo:
