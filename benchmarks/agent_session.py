@@ -98,12 +98,12 @@ def replay(base: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return results
 
 
-def serve(model, tokenizer, drafter, plain: bool, max_tokens, tree_budget):
+def serve(model, tokenizer, drafter, plain: bool, max_tokens, tree_budget, cache_dir=None):
     from dflash_mlx.server import ServerSettings, create_app, start_in_thread
 
     settings = ServerSettings(model_name="session", width=1 if plain else None, max_batch=1,
-                              default_max_tokens=max_tokens,
-                              tree_budget=tree_budget)
+                              default_max_tokens=max_tokens, tree_budget=tree_budget,
+                              prompt_cache_dir=str(cache_dir) if cache_dir else None)
     return start_in_thread(create_app(model, tokenizer, drafter, settings))
 
 
@@ -158,6 +158,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the table and raw figures here (JSON)")
     parser.add_argument("--tree-budget", default=None, help="the defaults' draft trees, as serve --tree-budget "
                         "(auto, off or a number; default: the server's default)")
+    parser.add_argument("--prompt-cache-dir", type=Path, default=None, help="keep both servers' prefix caches "
+                        "on disk here, as serve --prompt-cache-dir does: a rerun (and the plain server after the "
+                        "first) starts from the stored prefills, so times to first token are then not cold; "
+                        "decode figures are unaffected")
     args = parser.parse_args(argv)
     from dflash_mlx.cli_options import tree_budget_value
     from dflash_mlx.errors import DFlashError
@@ -176,7 +180,7 @@ def main(argv=None) -> int:
     runs = {}
     for name, plain in (("defaults", False), ("plain", True)):
         print(f"{name}: {len(records)} requests", file=sys.stderr, flush=True)
-        running = serve(model, tokenizer, drafter, plain, args.max_tokens, trees)
+        running = serve(model, tokenizer, drafter, plain, args.max_tokens, trees, args.prompt_cache_dir)
         try:
             runs[name] = replay(running.base, records)
         finally:

@@ -22,8 +22,21 @@ def test_index_proposes_what_followed_the_longest_most_recent_match():
     # The suffix [1, 2, 3] last occurred before at positions 4..6, followed by 4, 5, 6 (not the older 9).
     assert draft.tokens == [4, 5, 6] and draft.match == 3
     index.extend([4])
-    draft = index.propose(10)
+    draft = index.propose(7)
     assert draft.tokens == [5, 6, 7, 1, 2, 3, 4] and draft.match == 4  # runs up to the newest token
+
+
+def test_a_copy_that_runs_into_the_newest_token_goes_on_through_the_repeating_run():
+    # A loop of period 3: the newest suffix last occurred 3 tokens back, so the copy runs into the newest token
+    # after 3 tokens and continues as the loop repeats, as wide as asked.
+    index = LookupIndex(min_n=2, max_n=4)
+    index.extend([9, 8, 1, 2, 3, 1, 2, 3, 1, 2])
+    draft = index.propose(8)
+    assert draft.tokens == [3, 1, 2, 3, 1, 2, 3, 1]
+    # Not a loop: an occurrence further back copies what followed it, the overlap repeating from there.
+    index = LookupIndex(min_n=2, max_n=4)
+    index.extend([5, 6, 7, 8, 5, 6])
+    assert index.propose(2).tokens == [7, 8] and index.propose(5).tokens == [7, 8, 5, 6, 7]
 
 
 def test_index_measures_the_match_beyond_max_n_and_misses_cleanly():

@@ -92,6 +92,18 @@ class LookupIndex:
             match = n
             while match < self.max_match and start - match - 1 >= 0 and seq[start - match - 1] == seq[end - match - 1]:
                 match += 1
-            # The continuation may run into the suffix itself (a repeating run): copy it as it stands.
-            return LookupDraft(seq[start : start + limit], match)
+            return LookupDraft(self.continuation(start, limit), match)
         return None
+
+    def continuation(self, start: int, limit: int) -> List[int]:
+        """Up to `limit` tokens copied from `start` on. A copy that runs into the newest token continues as the
+        run it is in repeats (as an LZ77 copy whose source overlaps its output): in a repeating run of period p
+        (the newest suffix last seen p tokens back) the copy goes on cyclically, so a loop of any period is
+        drafted as wide as the pass allows instead of p tokens at a time."""
+        seq = self.tokens
+        period = len(seq) - start
+        if period <= 0:
+            return []
+        if start + limit <= len(seq):
+            return seq[start : start + limit]
+        return [seq[start + k % period] for k in range(limit)]

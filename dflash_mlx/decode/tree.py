@@ -130,7 +130,7 @@ def lookup_tree(index: LookupIndex, widest: int, branches: int,
         if not index.occurred(seq[end - n :]):  # the index knows in O(1) whether any occurred
             continue
         # Earlier occurrences, most recent first: the n-grams of seq[:-1] equal to the suffix, by the index of the
-        # token that followed each (what it proposes, possibly running into the suffix itself).
+        # token that followed each (what it proposes: `LookupIndex.continuation`, on through a repeating run).
         if context is None:
             context = np.asarray(seq, dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
@@ -141,9 +141,11 @@ def lookup_tree(index: LookupIndex, widest: int, branches: int,
         parents: List[int] = []
         child = {}  # (parent slot, token) -> slot
         at = [0] * len(starts)  # every continuation's node so far
-        for depth in range(budget if deepest is None else min(budget, deepest)):
-            for b, start in enumerate(starts):
-                key = (at[b], seq[start + depth]) if at[b] >= 0 and start + depth < end else None
+        depth_limit = budget if deepest is None else min(budget, deepest)
+        copies = [index.continuation(start, depth_limit) for start in starts]
+        for depth in range(depth_limit):
+            for b, copy in enumerate(copies):
+                key = (at[b], copy[depth]) if at[b] >= 0 and depth < len(copy) else None
                 if key is None or key not in child and len(tokens) == budget:
                     at[b] = -1  # this continuation ends here
                     continue
