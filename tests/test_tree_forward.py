@@ -189,7 +189,7 @@ def test_tree_support_reasons():
     assert "RotatingKVCache" in tree_support(gpt, own)
     assert tree_support(llama, [KVCache()]) is not None  # one cache for a 4-layer model
 
-    class Stage(TargetModel):  # a pipeline stage's target walks its own way
+    class Stage(TargetModel):  # a pipeline stage's target: its pass sends and gathers around the walk
         stage_aware = True
 
     assert "pipeline" in tree_support(Stage(llama.model, [1]), llama.make_cache())

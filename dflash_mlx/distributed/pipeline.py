@@ -2,10 +2,12 @@
 
 mlx-lm splits the layers in reverse: the last rank runs the first layers and rank 0 the last ones. A forward pass
 receives the hidden state from the rank before, runs this stage, sends it on, and every rank gets rank 0's final
-hidden state (an all-gather), so logits, acceptance and drafting agree everywhere. `PipelineTarget` walks one stage
-the way the model's own call does, keeping the taps this stage owns. The core never builds one by itself:
-`make_target(model)` does, and importing this module installs the class with the core (`register_target_class`),
-so `prepare(model, drafter)` on a pipelined model gets a `PipelineTarget` too.
+hidden state (an all-gather), so logits, acceptance and drafting agree everywhere. `PipelineTarget` runs its stage
+through the package's one layer walk (`targets.walk`: this stage's layers, the first of them global layer
+`start_idx`, on the hidden state received from the rank before), keeping the taps this stage owns, then sends and
+gathers as the model's own call does. The core never builds one by itself: `make_target(model)` does, and
+importing this module installs the class with the core (`register_target_class`), so `prepare(model, drafter)` on
+a pipelined model gets a `PipelineTarget` too.
 
 The tapped layers live on different ranks, and the drafter (on every rank) needs all of them, but only for
 committed positions. So a stage returns its partial taps (zeros where another stage owns the tap) and
@@ -21,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..targets.adapter import TargetModel, register_target_class, split_into_stages
+from ..targets.walk import Chain, walk
 
 
 class _Stage:
@@ -95,26 +98,26 @@ class PipelineTarget(TargetModel):
     def size(self) -> int:
         return self.inner.pipeline_size
 
+    @property
+    def first_layer(self) -> int:
+        return self.inner.start_idx
+
+    @property
+    def decoder(self) -> nn.Module:
+        return _Stage(self.inner, self.layers)
+
+    def receive(self, h: mx.array) -> mx.array:
+        # The last rank runs the first layers: it starts from the embedding.
+        return mx.distributed.recv_like(h, self.rank + 1) if self.rank < self.size - 1 else h
+
     def forward(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
         """Logits [1, T, V] (the same on every rank) and this stage's partial taps [1, T, n*H]."""
-        inner, layers = self.inner, self.layers
-        h = self.embed(ids)
-        if cache is None:
-            cache = [None] * len(layers)
-        masks = self.family.layer_masks(_Stage(inner, layers), h, cache)
-        if self.rank < self.size - 1:
-            h = mx.distributed.recv_like(h, self.rank + 1)
-        taps = {}
-        wanted = set(self.tap_layer_ids)
-        for i, (layer, mask, c) in enumerate(zip(layers, masks, cache)):
-            h = self.family.call_layer(layer, h, mask, c)
-            if inner.start_idx + i in wanted:
-                taps[inner.start_idx + i] = h
+        h, taps = walk(self, [Chain(ids, cache)])
         if self.rank != 0:
             h = mx.distributed.send(h, (self.rank - 1) % self.size)
-            _after(cache[-1], h)
+            _after(cache[-1] if cache else None, h)
         h = mx.distributed.all_gather(h)[: h.shape[0]]  # rank 0's: the output of the last layer
-        logits = self.head(inner.norm(h))
+        logits = self.head(self.inner.norm(h))
         feats = [taps[i] if i in taps else mx.zeros_like(h) for i in self.tap_layer_ids]
         partial = mx.concatenate(feats, axis=-1) if len(feats) > 1 else (feats[0] if feats else h[..., :0])
         # Evaluating the taps runs the whole stage chain first (send, all-gather), in the same order on every

@@ -74,7 +74,23 @@ class TargetModel:
     # -- shape facts ---------------------------------------------------------------------------------------
     @property
     def layers(self) -> List[nn.Module]:
+        """The layers this target's walk runs (`walk.walk`): all of them (a pipeline stage: its own)."""
         return self.inner.layers
+
+    @property
+    def first_layer(self) -> int:
+        """The global id of `layers[0]` (a pipeline stage's first layer is not the model's)."""
+        return 0
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The decoder the family's mask builders see: one whose `layers` are `layers`."""
+        return self.inner
+
+    def receive(self, h: mx.array) -> mx.array:
+        """The hidden state [1, N, H] the first of `layers` takes, given the embedded tokens (a pipeline stage
+        receives the stage before's output instead)."""
+        return h
 
     @property
     def num_layers(self) -> int:
@@ -157,15 +173,17 @@ class TargetModel:
             return self.forward(ids, cache)
 
     def forward(self, ids: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
-        """`__call__`'s pass itself (subclasses walk differently; the call wraps it in the kernel scope)."""
+        """`__call__`'s pass itself (a subclass's may do more around the walk; the call wraps it in the kernel
+        scope)."""
         self._check_whole()
         (logits,), (hidden,) = run(self, [Chain(ids, cache)])
         return logits, hidden
 
     def forward_segments(self, segments: Sequence[Segment]) -> Tuple[List[mx.array], List[mx.array]]:
         """One pass over several requests' segments (`walk.Chain`, `walk.Tree`): each one's logits [1, w, V] and
-        tapped features [1, w, n*H]. A subclass with a walk of its own (a pipeline stage) runs each chain through
-        its own call instead (trees are never given to it: `tree.tree_support`)."""
+        tapped features [1, w, n*H]. A subclass whose pass does more than the walk (a pipeline stage sends, and
+        gathers the last stage's output) runs each chain through its own call instead (trees are never given to
+        it: `tree.tree_support`)."""
         if type(self).forward is not TargetModel.forward:
             outs = [self(s.ids, s.cache) for s in segments]
             return [o[0] for o in outs], [o[1] for o in outs]

@@ -19,9 +19,13 @@ final norm and the LM head. Per layer:
 - several segments on any other layer: the layer runs whole per segment.
 
 Family differences (embedding, masks, KV sharing and per-layer inputs) are hooks of `families.Family`, so this
-loop is the package's only definition of a target's layer walk (the pipeline stages of `distributed/` walk their
-own share of the layers). The GatedDeltaNet layers of hybrid targets run `hybrid.gated_delta_net` on a chain and
-`tree.gdn_tree` on a tree; both record what a rollback or a commit needs.
+loop is the package's only definition of a target's layer walk. A target walks its share of the layers
+(`TargetModel.layers`, the first of them global layer `first_layer`): all of them, or one pipeline stage's
+(`distributed.pipeline`), whose hidden state arrives from the stage before (`TargetModel.receive`) ahead of its
+first layer. Caches, masks and a segment's per-layer state are indexed by the local layer index (a stage's caches
+are its own layers'); taps and the family's per-layer inputs and KV sharing by the global layer id. The
+GatedDeltaNet layers of hybrid targets run `hybrid.gated_delta_net` on a chain and `tree.gdn_tree` on a tree; both
+record what a rollback or a commit needs.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def _is_linear(layer: nn.Module) -> bool:
 
 
 class Segment:
-    """One request's block in a pass: its ids [1, w] and its caches (see the module docstring)."""
+    """One request's block in a pass: its ids [1, w] and its caches (see the module docstring). Its methods take
+    the local layer index i, the index of layer i's cache."""
 
     def __init__(self, ids: mx.array, cache: Optional[List[Any]]):
         self.ids, self.cache = ids, cache
@@ -97,9 +102,9 @@ class Chain(Segment):
     """Consecutive tokens after the cache's last position, written to the caches (see the module docstring)."""
 
     def begin(self, target, h: mx.array) -> None:
-        n = len(target.inner.layers)
+        n = len(target.layers)
         cache = [None] * n if self.cache is None else list(self.cache) + [None] * (n - len(self.cache))
-        self.masks = target.family.layer_masks(target.inner, h, cache)
+        self.masks = target.family.layer_masks(target.decoder, h, cache)
 
     def mask(self, i: int) -> Any:
         return self.masks[i]
@@ -134,14 +139,14 @@ def _mix(layer: nn.Module, i: int, seg: Segment, x: mx.array) -> mx.array:
     return layer.self_attn(x, seg.mask(i), seg.kv(i))
 
 
-def _whole(family, inner, layer: nn.Module, i: int, seg: Segment, x: mx.array, extra: Dict) -> mx.array:
-    """Layer i run whole on one segment's input [1, w, H]."""
+def _whole(family, inner, layer: nn.Module, i: int, g: int, seg: Segment, x: mx.array, extra: Dict) -> mx.array:
+    """Layer i (global layer g) run whole on one segment's input [1, w, H]."""
     x = seg.view(x)
     if _is_linear(layer):  # a GatedDeltaNet layer: the pre-norm block with our recording mixer
         h = x + seg.gdn(layer.linear_attn, i, layer.input_layernorm(x))
         return seg.unview(h + layer.mlp(layer.post_attention_layernorm(h)))
     if family.shares_kv:
-        return seg.unview(family.call_shared(inner, layer, i, x, seg.mask(i), seg.kv(i), extra))
+        return seg.unview(family.call_shared(inner, layer, g, x, seg.mask(i), seg.kv(i), extra))
     return seg.unview(family.call_layer(layer, x, seg.mask(i), seg.kv(i)))
 
 
@@ -161,8 +166,8 @@ def _split(layer: nn.Module, i: int, segs: Sequence[Segment], h: mx.array, parts
 
 
 def walk(target, segments: Sequence[Segment]) -> Tuple[mx.array, Dict[int, mx.array]]:
-    """The decoder layers over every segment: (last hidden state [1, N, H], tapped layer outputs by layer)."""
-    family, lm, inner = target.family, target.lm, target.inner
+    """The target's layers over every segment: (last hidden state [1, N, H], tapped layer outputs by global id)."""
+    family, lm, inner, first = target.family, target.lm, target.inner, target.first_layer
     bounds = np.cumsum([0] + [s.width for s in segments]).tolist()
 
     def parts(x: mx.array) -> List[mx.array]:
@@ -173,9 +178,11 @@ def walk(target, segments: Sequence[Segment]) -> Tuple[mx.array, Dict[int, mx.ar
     extras = family.layer_inputs(inner, ids, h) if family.layer_inputs is not None else None
     for seg, x in zip(segments, parts(h)):
         seg.begin(target, x)
+    h = target.receive(h)  # a pipeline stage's input is the stage before's output
     states = [{} for _ in segments]  # per segment: what a family threads between layers (Gemma 4's shared KV)
     taps, kept = set(target.tap_layer_ids), {}
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(target.layers):
+        g = first + i
         if len(segments) > 1 and splittable(layer):
             h = _split(layer, i, segments, h, parts)
         else:
@@ -183,11 +190,11 @@ def walk(target, segments: Sequence[Segment]) -> Tuple[mx.array, Dict[int, mx.ar
             for j, (seg, x) in enumerate(zip(segments, parts(h))):
                 extra = states[j]
                 if extras is not None:
-                    extra["input"] = extras[i][:, bounds[j]: bounds[j + 1]] if len(segments) > 1 else extras[i]
-                outs.append(_whole(family, inner, layer, i, seg, x, extra))
+                    extra["input"] = extras[g][:, bounds[j]: bounds[j + 1]] if len(segments) > 1 else extras[g]
+                outs.append(_whole(family, inner, layer, i, g, seg, x, extra))
             h = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-        if i in taps:
-            kept[i] = h
+        if g in taps:
+            kept[g] = h
     for seg in segments:
         seg.finish()
     return h, kept
