@@ -260,22 +260,34 @@ def serve(
     tree_budget: Optional[str] = TREE_BUDGET_OPTION,
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
-    options = dict(locals())
-    options["tree_budget"] = tree_budget_value(tree_budget)
-    options.pop("prefill_step_size")
+    budget = tree_budget_value(tree_budget)
     from . import distributed
+    from .server import settings_from_cli
 
-    if options.pop("pipeline") or distributed.launched():  # under mlx.launch: rank 0 serves, every rank generates
-        from .distributed.serving import serve_from_cli
+    ranks = pipeline or distributed.launched()  # under mlx.launch: rank 0 serves, every rank generates
+    if ranks:
+        from .distributed.serving import check_rank_options
 
         if prefill_step_size is not None:
             raise DFlashError("--prefill-step-size is not supported when the target is split over ranks; serve "
                               "without it")
-        serve_from_cli(pipeline=pipeline, **options)
+        check_rank_options(draft=draft, prompt_cache_dir=prompt_cache_dir)
+    # Every option is checked before any model is loaded.
+    settings = settings_from_cli(model=model, draft=draft, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
+                                 prompt_cache_bytes=prompt_cache_bytes, prompt_cache_dir=prompt_cache_dir,
+                                 prompt_cache_dir_bytes=prompt_cache_dir_bytes, width=width, max_tokens=max_tokens,
+                                 temp=temp, chat_template_args=chat_template_args,
+                                 served_model_name=served_model_name, strict_model_names=strict_model_names,
+                                 tree_budget=budget)
+    if ranks:
+        from .distributed.serving import serve_ranks
+
+        serve_ranks(model, draft, host=host, port=port, quant=quant, settings=settings, pipeline=pipeline)
     else:
         from .server import serve_from_cli
 
-        serve_from_cli(prefill_step_size=prefill_step_size, **options)
+        serve_from_cli(model=model, draft=draft, quant=quant, host=host, port=port, settings=settings,
+                       prefill_step_size=prefill_step_size)
 
 
 AGENT_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}

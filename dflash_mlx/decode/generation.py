@@ -98,15 +98,20 @@ class Generation:
         self.adaptive = (drafting or use_lookup) and width is None and not isinstance(tree_budget, int)
         # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
         seeded = reproducible(acceptor)
+        # The caches are known now (fresh ones unless continued): whether trees can run on them is the planner's.
+        state = state if state is not None else DecodeState.fresh(target, drafter)
+        runs_on = dict(drafting=self.proposer, target=target, cache=state.target_cache, acceptor=acceptor)
         if width is not None:
             planner = None  # a fixed width wins over any planner
         elif planner is not None and not isinstance(planner, Planner):
             planner = build_planner(drafting=self.proposer, policy=planner)
-        self.planner: Planner = planner or build_planner(
-            drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
-            reproducible=seeded, shared=self._shared_planner, tree_budget=tree_budget)
-        if self.planner.trees is None:  # a planner of the caller's
-            with_trees(self.planner, tree_chooser(tree_budget, seeded))
+        if planner is None:
+            planner = build_planner(width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
+                                    reproducible=seeded, shared=self._shared_planner, tree_budget=tree_budget,
+                                    **runs_on)
+        elif planner.trees is None:  # a planner of the caller's: trees as `tree_budget` says
+            with_trees(planner, tree_chooser(tree_budget, seeded), **runs_on)
+        self.planner: Planner = planner
         # Seeded sampling must follow from its seed alone: it neither starts from nor leaves measurements.
         self.memory = memory if not seeded else None
         if self.memory is not None:

@@ -22,16 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import warnings
-
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from ..targets import TargetModel
-from ..targets.tree import commit_path, tree_segment, tree_support
+from ..targets.tree import commit_path, tree_segment
 from ..targets.walk import Chain, Segment
 from .acceptance import Acceptor
-from .budget import FixedBudget
 from .lookup import LookupIndex
 from .planner import Planner
 from .proposal import LOOKUP, PLAIN, Proposal, TreeProposal
@@ -188,14 +185,6 @@ class Decoder:
         self.budget: Optional[int] = None  # the tree budget of the pass being proposed
         self.context: Optional[str] = None  # and its plan's context
         self.chain_width: Optional[int] = None  # and, for a tree, the chain it stands in for
-        if getattr(planner, "trees", None) is not None:
-            why = tree_support(target, state.target_cache)
-            if why is not None:
-                # Said only to whoever asked for a fixed budget: "auto" (the default) means trees where they can
-                # run and pay, so chains are what it chooses here.
-                if isinstance(planner.trees, FixedBudget):
-                    warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
-                planner.trees = None
 
     def _observe(self, tokens: List[int], features: Optional[mx.array]) -> None:
         self.acceptor.observe(tokens)
@@ -235,8 +224,7 @@ class Decoder:
             if plan.budget is not None:  # a tree as deep as the proposer drafts
                 proposal = proposer.propose_tree(self.state, self.acceptor, min(plan.width, proposer.widest),
                                                  plan.budget, plan.offer)
-                if proposal is None:  # this proposer cannot grow trees (for good): chains from now on
-                    self.planner.trees = None
+                # None: no tree this time (whether trees can run at all was decided with the planner); its chain.
                 self.budget = plan.budget if isinstance(proposal, TreeProposal) else None
             if proposal is None:
                 width = plan.width if plan.budget is None else plan.chain_width
