@@ -136,17 +136,15 @@ def generate(
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     console.warn_before_run(target, drafter, len(ids), width)
-    options = dict(max_tokens=max_tokens, width=width, seed=seed, **sampling)
-    if no_lookup:
-        options["lookup"] = False
-    options["tree_budget"] = budget
     if verbose:
         from .drafters.families import describe
 
         what = "none: lookup drafting from the context alone" if drafter == "lookup" else describe(drafter)
         print(f"drafter: {what}", file=sys.stderr)
     try:
-        console.stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
+        console.stream_to_stdout(target, tokenizer, ids, drafter, verbose=verbose, max_tokens=max_tokens,
+                                 width=width, lookup=False if no_lookup else None, tree_budget=budget, seed=seed,
+                                 temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     except KeyboardInterrupt:  # the line is ended and the summary printed; main says "interrupted"
         raise typer.Exit(130) from None
 

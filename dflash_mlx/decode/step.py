@@ -54,7 +54,7 @@ class Pass:
     is_prefill: bool = False
     source: str = PLAIN  # its proposer's name: "dflash", "mtp", "lookup", a caller's own, or "plain" (no drafts)
     segments: List[str] = field(default_factory=list)  # text each token added (filled by `Generation`)
-    finish_reason: Optional[str] = None  # "stop", "length" or None (filled by `Generation`)
+    finish_reason: Optional[str] = None  # why the generation ends after it: "stop", "length", or None: it goes on
 
     @property
     def text(self) -> str:
@@ -205,8 +205,16 @@ class Decoder:
         self._observe([first], None)
         self.mark("prefill")
         self.emitted = 1
-        self.wants = first not in self.stops and self.emitted < self.limit
-        return Pass([first], 0, 1, logits=last_logits[None], is_prefill=True)
+        ended = self._ended([first])
+        self.wants = ended is None
+        return Pass([first], 0, 1, logits=last_logits[None], is_prefill=True, finish_reason=ended)
+
+    def _ended(self, tokens: List[int]) -> Optional[str]:
+        """Why the generation ends after committing `tokens`: "stop" (its last is a stop token), "length"
+        (`max_tokens` reached); None: it goes on. The one place that decides it."""
+        if tokens[-1] in self.stops:
+            return "stop"
+        return "length" if self.emitted >= self.limit else None
 
     def propose(self) -> Proposal:
         """Plan the next pass and draft it (queued on the device; a lookup runs on the host now)."""
@@ -313,8 +321,9 @@ class Decoder:
         self.passes += 1
         if self.clears_cache and self.passes % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        self.wants = tokens[-1] not in self.stops and self.emitted < self.limit
-        return Pass(tokens, acc, width, logits=logits, source=launch.proposal.source)
+        ended = self._ended(tokens)
+        self.wants = ended is None
+        return Pass(tokens, acc, width, logits=logits, source=launch.proposal.source, finish_reason=ended)
 
     def withdraw(self, launch: Launch) -> None:
         """Undo a launched pass before `finish`: the caches hold exactly the committed tokens again."""
