@@ -62,6 +62,14 @@ def test_a_fixed_budget_the_target_cannot_take_is_refused_at_build_time_with_one
     assert _tree_warnings(caught) == []  # "auto" means trees where they can run: nothing to say
     supported = Generation(TargetModel(tiny.target(KIND)), drafter, ids, max_tokens=MAX_TOKENS, tree_budget=8)
     assert isinstance(supported.planner.trees, FixedBudget)
+    # A planner of the caller's, built with a budget but without the target, is held against it too.
+    own = build_planner(drafting=DFlashProposer(drafter), tree_budget=8)
+    assert isinstance(own.trees, FixedBudget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generation = Generation(OwnWalk(tiny.target(KIND)), drafter, ids, max_tokens=MAX_TOKENS, planner=own)
+        assert own.trees is None and _run(generation) == ref
+    assert len(_tree_warnings(caught)) == 1
 
 
 def test_build_planner_asks_the_target_the_cache_and_the_drafting_proposer():

@@ -113,8 +113,9 @@ class Generation:
             planner = build_planner(width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
                                     reproducible=seeded, shared=self._shared_planner, tree_budget=tree_budget,
                                     **runs_on)
-        elif planner.trees is None:  # a planner of the caller's: trees as `tree_budget` says
-            with_trees(planner, tree_chooser(tree_budget, seeded), **runs_on)
+        else:  # a planner of the caller's: its own trees, else as `tree_budget` says, where they can run
+            own = planner.trees if planner.trees is not None else tree_chooser(tree_budget, seeded)
+            with_trees(planner, own, **runs_on)
         self.planner: Planner = planner
         # Seeded sampling must follow from its seed alone: it neither starts from nor leaves measurements.
         self.memory = memory if not seeded else None

@@ -194,13 +194,10 @@ def with_trees(planner: Planner, trees, *, drafting=None, target=None, cache: Op
     if trees is None or not (planner.drafting or planner.choice is not None):
         return planner
     why = tree_support(target, cache) if target is not None else None
-    if why is not None:
-        if isinstance(trees, FixedBudget):
-            warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
-        return planner
-    if drafting is not None and not as_proposer(drafting).grows_trees(acceptor):
-        return planner
-    planner.trees = trees
+    if why is not None and isinstance(trees, FixedBudget):
+        warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
+    grows = drafting is None or as_proposer(drafting).grows_trees(acceptor)
+    planner.trees = trees if why is None and grows else None
     return planner
 
 
@@ -261,10 +258,13 @@ def check_width(width, caller: str) -> None:
 def planner_for(drafting, *, width: Optional[int] = None, planner=None, sources: Optional[SourceChoice] = None,
                 lookup=None, tree_budget=None, reproducible: bool = False, target=None,
                 cache: Optional[Sequence[Any]] = None, acceptor=None) -> Planner:
-    """`_planner_for` with draft trees on where `tree_budget` says and they can run (see `build_planner`)."""
+    """`_planner_for` with draft trees on where `tree_budget` (or a ready planner) says and they can run (see
+    `with_trees`)."""
     trees = tree_chooser(tree_budget, reproducible)  # a bad value is refused first, whatever else is given
-    return with_trees(_planner_for(drafting, width=width, planner=planner, sources=sources, lookup=lookup), trees,
-                      drafting=drafting, target=target, cache=cache, acceptor=acceptor)
+    planner = _planner_for(drafting, width=width, planner=planner, sources=sources, lookup=lookup)
+    # A ready planner's own trees are held against this target and cache too.
+    return with_trees(planner, trees if trees is not None else planner.trees, drafting=drafting, target=target,
+                      cache=cache, acceptor=acceptor)
 
 
 def _planner_for(drafting, *, width: Optional[int] = None, planner=None, sources: Optional[SourceChoice] = None,
