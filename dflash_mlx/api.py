@@ -21,7 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .decode.acceptance import Acceptor
 from .decode.generation import Generation
 from .decode.lookup import LOOKUP_ONLY, drafter_model
-from .decode.budget import DEFAULT_TREES, default_trees
+from .decode.budget import DEFAULT_TREES
 from .decode.memory import PlannerMemory
 from .decode.planner import Planner, check_width
 from .decode.state import DecodeState
@@ -145,7 +145,7 @@ def stream_generate(
                             width=width, planner=planner, acceptor=acceptor, state=state,
                             warn_collapse=warn_collapse, prefill_step_size=prefill_step_size,
                             prefill_progress=prefill_progress, lookup=lookup, proposer=proposer,
-                            tree_budget=default_trees(tree_budget, width, sampling.get("seed"), planner),
+                            tree_budget=tree_budget,
                             memory=memory, **sampling)
     # As mlx-lm: keep the weights wired in memory on Macs while generating (a no-op elsewhere).
     with wired_limit(model, [generation_stream]), generation:  # closing rolls a queued pass out of the caches

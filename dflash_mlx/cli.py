@@ -136,17 +136,15 @@ def generate(
     target, tokenizer, drafter, seed = _load(model, draft, quant, pipeline, seed)
     ids = _chat_prompt(tokenizer, prompt, system_prompt, not ignore_chat_template)
     console.warn_before_run(target, drafter, len(ids), width)
-    options = dict(max_tokens=max_tokens, width=width, seed=seed, **sampling)
-    if no_lookup:
-        options["lookup"] = False
-    options["tree_budget"] = budget
     if verbose:
         from .drafters.families import describe
 
         what = "none: lookup drafting from the context alone" if drafter == "lookup" else describe(drafter)
         print(f"drafter: {what}", file=sys.stderr)
     try:
-        console.stream_to_stdout(target, tokenizer, ids, drafter, options, verbose)
+        console.stream_to_stdout(target, tokenizer, ids, drafter, verbose=verbose, max_tokens=max_tokens,
+                                 width=width, lookup=False if no_lookup else None, tree_budget=budget, seed=seed,
+                                 temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     except KeyboardInterrupt:  # the line is ended and the summary printed; main says "interrupted"
         raise typer.Exit(130) from None
 
@@ -260,22 +258,34 @@ def serve(
     tree_budget: Optional[str] = TREE_BUDGET_OPTION,
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
-    options = dict(locals())
-    options["tree_budget"] = tree_budget_value(tree_budget)
-    options.pop("prefill_step_size")
+    budget = tree_budget_value(tree_budget)
     from . import distributed
+    from .server import settings_from_cli
 
-    if options.pop("pipeline") or distributed.launched():  # under mlx.launch: rank 0 serves, every rank generates
-        from .distributed.serving import serve_from_cli
+    ranks = pipeline or distributed.launched()  # under mlx.launch: rank 0 serves, every rank generates
+    if ranks:
+        from .distributed.serving import check_rank_options
 
         if prefill_step_size is not None:
             raise DFlashError("--prefill-step-size is not supported when the target is split over ranks; serve "
                               "without it")
-        serve_from_cli(pipeline=pipeline, **options)
+        check_rank_options(draft=draft, prompt_cache_dir=prompt_cache_dir)
+    # Every option is checked before any model is loaded.
+    settings = settings_from_cli(model=model, draft=draft, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
+                                 prompt_cache_bytes=prompt_cache_bytes, prompt_cache_dir=prompt_cache_dir,
+                                 prompt_cache_dir_bytes=prompt_cache_dir_bytes, width=width, max_tokens=max_tokens,
+                                 temp=temp, chat_template_args=chat_template_args,
+                                 served_model_name=served_model_name, strict_model_names=strict_model_names,
+                                 tree_budget=budget)
+    if ranks:
+        from .distributed.serving import serve_ranks
+
+        serve_ranks(model, draft, host=host, port=port, quant=quant, settings=settings, pipeline=pipeline)
     else:
         from .server import serve_from_cli
 
-        serve_from_cli(prefill_step_size=prefill_step_size, **options)
+        serve_from_cli(model=model, draft=draft, quant=quant, host=host, port=port, settings=settings,
+                       prefill_step_size=prefill_step_size)
 
 
 AGENT_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}

@@ -69,17 +69,21 @@ class PrefillBar:
             self.bar = None
 
 
-def stream_to_stdout(target, tokenizer, ids, drafter, options: dict, verbose: bool) -> None:
-    """Print the generated text as it comes, then (with `verbose`) speed and acceptance.
+def stream_to_stdout(target, tokenizer, ids, drafter, *, verbose: bool, max_tokens: int, width: Optional[int],
+                     lookup: Optional[bool], tree_budget, seed: Optional[int], temp: float, top_p: float, top_k: int,
+                     min_p: float) -> None:
+    """Print the generated text as it comes, then (with `verbose`) speed and acceptance. The decode options are
+    `api.stream_generate`'s, passed on as given (the engine decides with them, in `decode.planner.build_planner`).
 
     Ctrl-C: the line is ended and the summary of what was generated so far is printed before the
     KeyboardInterrupt is re-raised.
     """
     bar = PrefillBar(len(ids))
-    options = dict(options, prefill_progress=bar)
     response = None
     try:
-        for response in api.stream_generate(target, tokenizer, ids, drafter, **options):
+        for response in api.stream_generate(target, tokenizer, ids, drafter, max_tokens=max_tokens, width=width,
+                                            lookup=lookup, tree_budget=tree_budget, seed=seed, temp=temp,
+                                            top_p=top_p, top_k=top_k, min_p=min_p, prefill_progress=bar):
             print(response.text, end="", flush=True)
     except KeyboardInterrupt:
         try:  # a second Ctrl-C must not break the summary (cli.main restores the handler)

@@ -242,12 +242,11 @@ def test_function_tool_round_trip(scripted, stream):
 def test_served_model_name_repeats_on_the_command_line(monkeypatch, capsys):
     import dflash_mlx.server as server_pkg
     from dflash_mlx.cli import main
-    from dflash_mlx.server import settings_from_cli
 
     seen = {}
 
-    def fake_serve(*, model, draft, quant, host, port, prefill_step_size=None, **options):  # serve_from_cli's own
-        seen["settings"] = settings_from_cli(model=model, draft=draft, **options)
+    def fake_serve(*, model, draft, quant, host, port, settings, prefill_step_size=None):  # serve_from_cli's own
+        seen["settings"] = settings
 
     monkeypatch.setattr(server_pkg, "serve_from_cli", fake_serve)
     assert main(["serve", "--served-model-name", "coder", "--served-model-name", "gpt-4o-mini"]) in (0, None)

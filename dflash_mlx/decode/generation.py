@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from .acceptance import Acceptor, make_acceptor, reproducible
+from .budget import default_trees
 from .lookup import LookupIndex
 from .memory import PlannerMemory
 from .loop import dflash_generate_step
@@ -65,7 +66,8 @@ class Generation:
         proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
         prefill_step_size, prefill_progress, mask_token_id, profiler: as `loop.dflash_generate_step` takes them.
         tree_budget: drafting passes verify a DDTree of up to this many drafted nodes in one target pass (an int),
-            or the planner chooses chain or budget by measured speed ("auto"); None: chains.
+            or the planner chooses chain or budget by measured speed ("auto"); None: chains; `budget.DEFAULT_TREES`
+            (what the front ends pass when the user chose nothing): `budget.default_trees` decides.
         memory: a `memory.PlannerMemory`: the planner starts from what earlier generations measured and leaves
             what it learnt there when this one ends (not for seeded sampling, which must follow from its seed).
     """
@@ -81,6 +83,8 @@ class Generation:
                  memory: Optional[PlannerMemory] = None, **sampling):
         if max_tokens == 0:
             raise DFlashError("max_tokens must be non-zero (use -1 for no limit)")
+        # A front end's "the user chose nothing" (DEFAULT_TREES) becomes a budget here, for every front end alike.
+        tree_budget = default_trees(tree_budget, width, sampling.get("seed"), planner)
         if acceptor is None:
             acceptor = _acceptor(sampling)
         elif sampling:
@@ -98,15 +102,21 @@ class Generation:
         self.adaptive = (drafting or use_lookup) and width is None and not isinstance(tree_budget, int)
         # Sampled output must follow from the seed alone, so then widths follow acceptance, not the clock.
         seeded = reproducible(acceptor)
+        # The caches are known now (fresh ones unless continued): whether trees can run on them is the planner's.
+        state = state if state is not None else DecodeState.fresh(target, drafter)
+        runs_on = dict(drafting=self.proposer, target=target, cache=state.target_cache, acceptor=acceptor)
         if width is not None:
             planner = None  # a fixed width wins over any planner
         elif planner is not None and not isinstance(planner, Planner):
             planner = build_planner(drafting=self.proposer, policy=planner)
-        self.planner: Planner = planner or build_planner(
-            drafting=self.proposer, width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
-            reproducible=seeded, shared=self._shared_planner, tree_budget=tree_budget)
-        if self.planner.trees is None:  # a planner of the caller's
-            with_trees(self.planner, tree_chooser(tree_budget, seeded))
+        if planner is None:
+            planner = build_planner(width=width, max_width=max_width, lookup=use_lookup, lookup_width=lookup_width,
+                                    reproducible=seeded, shared=self._shared_planner, tree_budget=tree_budget,
+                                    **runs_on)
+        else:  # a planner of the caller's: its own trees, else as `tree_budget` says, where they can run
+            own = planner.trees if planner.trees is not None else tree_chooser(tree_budget, seeded)
+            with_trees(planner, own, **runs_on)
+        self.planner: Planner = planner
         # Seeded sampling must follow from its seed alone: it neither starts from nor leaves measurements.
         self.memory = memory if not seeded else None
         if self.memory is not None:
@@ -160,13 +170,9 @@ class Generation:
             else:
                 self._record(cycle.accepted, cycle.width, cycle.source)
             self.tokens_generated += len(cycle.tokens)
-            finish = None
-            if cycle.tokens and cycle.tokens[-1] in self.stops:
-                finish = "stop"
-            elif self.max_tokens > 0 and self.tokens_generated >= self.max_tokens:
-                finish = "length"
+            finish = cycle.finish_reason  # the pass step's: a stop token, or max_tokens reached
             self.finish_reason = finish
-            cycle.segments, cycle.finish_reason = self._segments(cycle.tokens, finish), finish
+            cycle.segments = self._segments(cycle.tokens, finish)
             yield cycle
             if finish:
                 break

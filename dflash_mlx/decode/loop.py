@@ -80,13 +80,15 @@ def dflash_generate_step(
         Pass: the tokens each verify pass commits, in order.
     """
     drafting = drafting_proposer(drafter, proposer, mask_token_id)
+    state = state or DecodeState.fresh(target, drafter)
+    acceptor = acceptor or GreedyAcceptor()
     plan = planner_for(drafting, width=width, planner=planner, sources=sources,
                        lookup=lookup, tree_budget=tree_budget,
-                       reproducible=reproducible(acceptor))  # a seeded run: budgets by acceptance
+                       reproducible=reproducible(acceptor),  # a seeded run: budgets by acceptance
+                       target=target, cache=state.target_cache, acceptor=acceptor)
     check_ready(drafting, plan)
-    state = state or DecodeState.fresh(target, drafter)
     decoder = Decoder(target, drafter, proposers_for(drafting, lookup if plan.choice is not None else None), plan,
-                      acceptor or GreedyAcceptor(), state, max_tokens=max_tokens, stops=stop_tokens,
+                      acceptor, state, max_tokens=max_tokens, stops=stop_tokens,
                       mark=profiler.mark if profiler is not None else None)
     yield decoder.start(prompt, prefill_step_size, prefill_progress)
     if not decoder.wants:

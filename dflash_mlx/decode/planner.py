@@ -15,17 +15,21 @@ looking inside the objects it holds.
 
 `build_planner` is where a generation's options become a planner, in one place for the single stream and the
 batch: a fixed width, or an adaptive one up to the drafter's block; sampled output that must follow from its seed
-alone gets machine-independent costs (`width.nominal_cost`); then the installed coordinator wraps it.
+alone gets machine-independent costs (`width.nominal_cost`); then the installed coordinator wraps it. Whether its
+passes may be trees is decided there too, once (`with_trees`): nothing that runs the planner turns them off.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Optional, Sequence, Union
+import warnings
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from ..errors import DFlashError
+from ..targets.tree import tree_support
 from .budget import FixedBudget, TreeBudget
 from .proposal import DFLASH, LOOKUP, PLAIN, Offer
+from .proposers import as_proposer
 from .sources import SourceChoice
 from .width import FixedWidth, Width, WidthPolicy, coordinate, coordinated, nominal_cost
 
@@ -154,7 +158,8 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
                   max_width: Optional[int] = None, lookup: bool = False, lookup_width: int = 32,
                   reproducible: bool = False,
                   shared: Optional[Callable[[int], Optional["Planner"]]] = None,
-                  tree_budget: Union[int, str, None] = None) -> Planner:
+                  tree_budget: Union[int, str, None] = None, target=None, cache: Optional[Sequence[Any]] = None,
+                  acceptor=None) -> Planner:
     """A generation's planner.
 
     Args:
@@ -168,19 +173,31 @@ def build_planner(*, drafting=None, width: Optional[int] = None, policy: Optiona
             one (no lookup, no seeded sampling).
         tree_budget: drafting passes verify a tree of up to this many drafted nodes (an int), or the planner
             chooses chain or tree budget by measured speed ("auto"); None: chains.
+        target, cache, acceptor: the generation's target, its target cache and acceptance rule: trees only where
+            they can run (`with_trees`).
     """
     trees = tree_chooser(tree_budget, reproducible)  # a bad value is refused first, whatever else is given
     planner = _width_planner(drafting=drafting, width=width, policy=policy, max_width=max_width, lookup=lookup,
                              lookup_width=lookup_width, reproducible=reproducible,
                              shared=None if tree_budget is not None else shared)
-    return with_trees(planner, trees)
+    return with_trees(planner, trees, drafting=drafting, target=target, cache=cache, acceptor=acceptor)
 
 
-def with_trees(planner: Planner, trees) -> Planner:
-    """`planner` with the tree budget estimator `trees` (see `tree_chooser`) where it drafts at all; trees are
-    this planner's own (a batch's shared planner never gets them)."""
-    if trees is not None and (planner.drafting or planner.choice is not None):
-        planner.trees = trees
+def with_trees(planner: Planner, trees, *, drafting=None, target=None, cache: Optional[Sequence[Any]] = None,
+               acceptor=None) -> Planner:
+    """`planner` with the tree budget estimator `trees` (see `tree_chooser`) where its trees can run: it drafts at
+    all; `target` can verify trees on `cache` (`targets.tree.tree_support`; None: not asked); and the `drafting`
+    proposer grows them under `acceptor` (`Proposer.grows_trees`; without one, lookup's copies branch). The one
+    place that decides: a FIXED budget the target cannot take is told why, in one warning ("auto" means trees where
+    they can run, so chains are what it chooses there). Trees are this planner's own (a batch's shared planner
+    never gets them)."""
+    if trees is None or not (planner.drafting or planner.choice is not None):
+        return planner
+    why = tree_support(target, cache) if target is not None else None
+    if why is not None and isinstance(trees, FixedBudget):
+        warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
+    grows = drafting is None or as_proposer(drafting).grows_trees(acceptor)
+    planner.trees = trees if why is None and grows else None
     return planner
 
 
@@ -239,10 +256,15 @@ def check_width(width, caller: str) -> None:
 
 
 def planner_for(drafting, *, width: Optional[int] = None, planner=None, sources: Optional[SourceChoice] = None,
-                lookup=None, tree_budget=None, reproducible: bool = False) -> Planner:
-    """`_planner_for` with draft trees on where `tree_budget` says (see `build_planner`)."""
+                lookup=None, tree_budget=None, reproducible: bool = False, target=None,
+                cache: Optional[Sequence[Any]] = None, acceptor=None) -> Planner:
+    """`_planner_for` with draft trees on where `tree_budget` (or a ready planner) says and they can run (see
+    `with_trees`)."""
     trees = tree_chooser(tree_budget, reproducible)  # a bad value is refused first, whatever else is given
-    return with_trees(_planner_for(drafting, width=width, planner=planner, sources=sources, lookup=lookup), trees)
+    planner = _planner_for(drafting, width=width, planner=planner, sources=sources, lookup=lookup)
+    # A ready planner's own trees are held against this target and cache too.
+    return with_trees(planner, trees if trees is not None else planner.trees, drafting=drafting, target=target,
+                      cache=cache, acceptor=acceptor)
 
 
 def _planner_for(drafting, *, width: Optional[int] = None, planner=None, sources: Optional[SourceChoice] = None,

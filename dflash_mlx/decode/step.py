@@ -22,16 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import warnings
-
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from ..targets import TargetModel
-from ..targets.tree import commit_path, tree_segment, tree_support
+from ..targets.tree import commit_path, tree_segment
 from ..targets.walk import Chain, Segment
 from .acceptance import Acceptor
-from .budget import FixedBudget
 from .lookup import LookupIndex
 from .planner import Planner
 from .proposal import LOOKUP, PLAIN, Proposal, TreeProposal
@@ -57,7 +54,7 @@ class Pass:
     is_prefill: bool = False
     source: str = PLAIN  # its proposer's name: "dflash", "mtp", "lookup", a caller's own, or "plain" (no drafts)
     segments: List[str] = field(default_factory=list)  # text each token added (filled by `Generation`)
-    finish_reason: Optional[str] = None  # "stop", "length" or None (filled by `Generation`)
+    finish_reason: Optional[str] = None  # why the generation ends after it: "stop", "length", or None: it goes on
 
     @property
     def text(self) -> str:
@@ -188,14 +185,6 @@ class Decoder:
         self.budget: Optional[int] = None  # the tree budget of the pass being proposed
         self.context: Optional[str] = None  # and its plan's context
         self.chain_width: Optional[int] = None  # and, for a tree, the chain it stands in for
-        if getattr(planner, "trees", None) is not None:
-            why = tree_support(target, state.target_cache)
-            if why is not None:
-                # Said only to whoever asked for a fixed budget: "auto" (the default) means trees where they can
-                # run and pay, so chains are what it chooses here.
-                if isinstance(planner.trees, FixedBudget):
-                    warnings.warn(f"draft trees are off for this target ({why}); verifying chains", stacklevel=3)
-                planner.trees = None
 
     def _observe(self, tokens: List[int], features: Optional[mx.array]) -> None:
         self.acceptor.observe(tokens)
@@ -216,8 +205,16 @@ class Decoder:
         self._observe([first], None)
         self.mark("prefill")
         self.emitted = 1
-        self.wants = first not in self.stops and self.emitted < self.limit
-        return Pass([first], 0, 1, logits=last_logits[None], is_prefill=True)
+        ended = self._ended([first])
+        self.wants = ended is None
+        return Pass([first], 0, 1, logits=last_logits[None], is_prefill=True, finish_reason=ended)
+
+    def _ended(self, tokens: List[int]) -> Optional[str]:
+        """Why the generation ends after committing `tokens`: "stop" (its last is a stop token), "length"
+        (`max_tokens` reached); None: it goes on. The one place that decides it."""
+        if tokens[-1] in self.stops:
+            return "stop"
+        return "length" if self.emitted >= self.limit else None
 
     def propose(self) -> Proposal:
         """Plan the next pass and draft it (queued on the device; a lookup runs on the host now)."""
@@ -235,8 +232,7 @@ class Decoder:
             if plan.budget is not None:  # a tree as deep as the proposer drafts
                 proposal = proposer.propose_tree(self.state, self.acceptor, min(plan.width, proposer.widest),
                                                  plan.budget, plan.offer)
-                if proposal is None:  # this proposer cannot grow trees (for good): chains from now on
-                    self.planner.trees = None
+                # None: no tree this time (whether trees can run at all was decided with the planner); its chain.
                 self.budget = plan.budget if isinstance(proposal, TreeProposal) else None
             if proposal is None:
                 width = plan.width if plan.budget is None else plan.chain_width
@@ -325,8 +321,9 @@ class Decoder:
         self.passes += 1
         if self.clears_cache and self.passes % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        self.wants = tokens[-1] not in self.stops and self.emitted < self.limit
-        return Pass(tokens, acc, width, logits=logits, source=launch.proposal.source)
+        ended = self._ended(tokens)
+        self.wants = ended is None
+        return Pass(tokens, acc, width, logits=logits, source=launch.proposal.source, finish_reason=ended)
 
     def withdraw(self, launch: Launch) -> None:
         """Undo a launched pass before `finish`: the caches hold exactly the committed tokens again."""

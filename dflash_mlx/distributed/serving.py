@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
-from ..server import ServerSettings, serve_loaded, settings_from_cli
+from ..server import ServerSettings, serve_loaded
 from ..server.generation import GenerationRequest, Generator
 from .group import launched, setup
 from .sharding import load
@@ -180,15 +180,12 @@ def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, qua
         print(f"dflash-mlx serve: stopped {group.size()} ranks", file=sys.stderr)
 
 
-def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
-                   pipeline: bool = False, **options) -> None:
-    """`dflash-mlx serve` under `mlx.launch` (or with --pipeline): the options checked as for one process, then
-    `serve_ranks`."""
+def check_rank_options(*, draft: Optional[str], prompt_cache_dir: Optional[str]) -> None:
+    """Refuse the `dflash-mlx serve` options that ranks cannot follow (under `mlx.launch` or with --pipeline),
+    before the options are checked as for one process (`settings_from_cli`) and `serve_ranks`."""
     if draft == "lookup":
         raise DFlashError("serve --draft lookup is not supported when the target is split over ranks; serve it "
                           "in one process, or give a drafter")
-    if options.get("prompt_cache_dir"):
+    if prompt_cache_dir:
         raise DFlashError("--prompt-cache-dir is not supported when the target is split over ranks (every rank "
                           "must restore the same caches); serve without it")
-    settings = settings_from_cli(model=model, draft=draft, **options)
-    serve_ranks(model, draft, host=host, port=port, quant=quant, settings=settings, pipeline=pipeline)

@@ -259,9 +259,8 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
 
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,
-                   prefill_step_size: Optional[int] = None, **options) -> None:
-    """`dflash-mlx serve` in one process: check every option (`settings_from_cli`, `check_address`) before loading
-    the model, then serve."""
-    settings = settings_from_cli(model=model, draft=draft, **options)
+                   settings: ServerSettings, prefill_step_size: Optional[int] = None) -> None:
+    """`dflash-mlx serve` in one process, its options checked (`settings_from_cli`): check the address before
+    loading the model, then serve."""
     check_address(host, port)
     serve(model, draft, host=host, port=port, quant=quant, settings=settings, prefill_step_size=prefill_step_size)

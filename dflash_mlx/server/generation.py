@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 import mlx.core as mx
 
 from ..decode.batching import Batch, BatchedGeneration
-from ..decode.budget import DEFAULT_TREES, default_trees
+from ..decode.budget import DEFAULT_TREES
 from ..decode.generation import Generation
 from ..decode.lookup import drafter_model
 from ..decode.memory import PlannerMemory
@@ -153,7 +153,6 @@ class Generator:
         self.store = store
         if store is not None:
             self.cache.on_evict = store.save
-        self.eos = set(tokenizer.eos_token_ids)
         # Held while detokenizing: the HTTP handlers encode prompts with the same tokenizer on their own thread.
         self.tokenizer_lock = tokenizer_lock(tokenizer)
         caches = self.target.make_cache() + (drafter.make_cache() if drafter is not None else [])
@@ -243,17 +242,17 @@ class Generator:
             position += step
             yield PrefillProgress(position, n)
 
-        options = dict(tokenizer=self.tokenizer, max_tokens=req.max_tokens, width=self.width, state=state,
-                       history=prompt[:position], tokenizer_lock=self.tokenizer_lock,
-                       prefill_step_size=self.prefill_step_size, **req.sampling)
-        if self.lookup_only:
-            options["lookup"] = True
-        options["tree_budget"] = default_trees(self.tree_budget, self.width, req.sampling.get("seed"))
-        options["memory"] = self.memory
+        options = dict(tokenizer=self.tokenizer, state=state, history=prompt[:position],
+                       tokenizer_lock=self.tokenizer_lock, prefill_step_size=self.prefill_step_size,
+                       memory=self.memory, **req.sampling)
+        # The decode options go by name: the engine decides with them (`decode.planner.build_planner`).
+        lookup = True if self.lookup_only else None
         if batched and self.batch is not None:
-            generation = BatchedGeneration(self.batch, prompt[position:], **options)
+            generation = BatchedGeneration(self.batch, prompt[position:], max_tokens=req.max_tokens, width=self.width,
+                                           lookup=lookup, tree_budget=self.tree_budget, **options)
         else:
-            generation = Generation(self.target, self.drafter, prompt[position:], **options)
+            generation = Generation(self.target, self.drafter, prompt[position:], max_tokens=req.max_tokens,
+                                    width=self.width, lookup=lookup, tree_budget=self.tree_budget, **options)
         widths: Dict[int, int] = {}
         last_width = 0
         committed: List[int] = []
@@ -271,20 +270,14 @@ class Generator:
                     last_width = p.width
                 committed.extend(p.tokens)
                 text, tokens = "", []
-                for token, segment in zip(p.tokens, p.segments):
+                for i, (token, segment) in enumerate(zip(p.tokens, p.segments)):
                     emitted += 1
                     tokens.append(token)
-                    if token in self.eos:
-                        finish = "stop"
-                        text += stopper.feed(segment, final=True)
-                        break
-                    last = emitted >= req.max_tokens
+                    # The engine ends the generation after a pass's last token: at a stop token or at max_tokens.
+                    last = p.finish_reason is not None and i == len(p.tokens) - 1
                     text += stopper.feed(segment, final=last)
-                    if stopper.hit is not None:
-                        finish = "stop"
-                        break
-                    if last:
-                        finish = "length"
+                    if stopper.hit is not None or last:
+                        finish = "stop" if stopper.hit is not None else p.finish_reason
                         break
                 logprobs = self._logprobs(p.logits, tokens, req.top_logprobs) if req.logprobs else None
                 yield Delta(text, tokens, logprobs, cached, origins(p)[: len(tokens)], list(p.segments[: len(tokens)]))

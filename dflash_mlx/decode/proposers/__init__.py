@@ -6,10 +6,13 @@
     observe(state, tokens, features)         a pass committed `tokens` (their tapped features, [1, n, n*H])
     withdraw(state, proposal)                a proposal whose pass was abandoned before it committed: undo it
 and, with a default in `Proposer`:
+    grows_trees(acceptor) -> bool            whether it can draft trees under this acceptance rule (the default:
+                                             no, chains only); the planner is built with trees only where the
+                                             drafting proposer can grow them (`planner.build_planner`)
     propose_tree(state, acceptor, width, budget, offer) -> TreeProposal | Proposal | None
                                              a tree of up to `budget` drafts at most `width - 1` deep, or a chain
-                                             where a tree would not branch; None: this proposer drafts chains only
-                                             (the default), and the planner keeps chains from then on
+                                             where a tree would not branch; None: no tree (the default), and the
+                                             pass verifies the chain `propose` drafts
     unobserve(state, tokens)                 forget the newest `tokens` observed (another proposer's pass, taken
                                              back after it was observed); the default keeps nothing to forget
 
@@ -51,6 +54,9 @@ class Proposer:
     def withdraw(self, state: DecodeState, proposal: Proposal) -> None:
         raise NotImplementedError
 
+    def grows_trees(self, acceptor: Optional[Acceptor]) -> bool:
+        return False  # chains only
+
     def propose_tree(self, state: DecodeState, acceptor: Acceptor, width: int, budget: int,
                      offer: Optional[Offer]) -> Optional[Proposal]:
         return None  # chains only
@@ -85,6 +91,11 @@ class _Adopted(Proposer):
 
     def withdraw(self, state, proposal):
         self.inner.withdraw(state, proposal)
+
+    def grows_trees(self, acceptor):
+        # One with a `propose_tree` of its own may grow trees; it says so itself where it has `grows_trees`.
+        says = getattr(self.inner, "grows_trees", None)
+        return says(acceptor) if says is not None else hasattr(self.inner, "propose_tree")
 
     def propose_tree(self, state, acceptor, width, budget, offer):
         grow = getattr(self.inner, "propose_tree", None)

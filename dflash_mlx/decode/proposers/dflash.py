@@ -101,12 +101,16 @@ class DFlashProposer(Proposer):
         proposal = self._draw(block_ids, state.draft_cache, acceptor, state.last_token)
         return replace(proposal, flushed=flushed)
 
+    def grows_trees(self, acceptor: Optional[Acceptor]) -> bool:
+        """Not for a walk drafter (its slot i is drawn given one draft i-1), nor with logits processors (they would
+        make each node's row depend on its own path)."""
+        return getattr(self.drafter, "draft_walk", None) is None and not getattr(acceptor, "processors", None)
+
     def propose_tree(self, state: DecodeState, acceptor: Acceptor, width: int, budget: int,
                      offer: Optional[Offer]) -> Proposal:
         """A tree of up to `budget` drafts at most `width - 1` deep from one block's distributions; None (nothing
-        done) where this drafter or acceptor cannot make one: a walk drafter's slot i is drawn given one draft i-1,
-        and logits processors would make each node's row depend on its own path."""
-        if getattr(self.drafter, "draft_walk", None) is not None or getattr(acceptor, "processors", None):
+        done) where this drafter or acceptor cannot make one (`grows_trees`)."""
+        if not self.grows_trees(acceptor):
             return None
         flushed, block_ids = self._block(state, min(width, self.drafter.block_size))
         logits = self.drafter(block_ids, state.draft_cache)[0]

@@ -100,11 +100,15 @@ class Eagle3Proposer:
         self._undo = _Undo(proposal.tokens, offset, before, max(width - 2, 0))
         return proposal
 
+    def grows_trees(self, acceptor: Optional[Acceptor]) -> bool:
+        """Not with logits processors: they would make each node's row depend on its own path."""
+        return not getattr(acceptor, "processors", None)
+
     def propose_tree(self, state: DecodeState, acceptor: Acceptor, width: int, budget: int,
                      offer: Optional[Offer]) -> Optional[TreeProposal]:
         """EAGLE's dynamic tree of up to `budget` nodes, at most `width - 1` deep (see the module docstring); None
-        (nothing done) with logits processors, which would make each node's row depend on its own path."""
-        if getattr(acceptor, "processors", None) or budget < 1:
+        (nothing done) where it grows none (`grows_trees`)."""
+        if not self.grows_trees(acceptor) or budget < 1:
             return None
         cache, offset, before, seed = self._seed(state)
         tokens, parents = self._grow(cache, seed, acceptor, max(1, width - 1), budget)

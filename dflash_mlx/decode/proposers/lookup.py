@@ -42,6 +42,9 @@ class LookupProposer(Proposer):
         copied = offer.tokens[: width - 1]
         return acceptor.propose_tokens(mx.array(copied, dtype=mx.int32))
 
+    def grows_trees(self, acceptor: Optional[Acceptor]) -> bool:
+        return True  # copies from several earlier occurrences, whatever the acceptance rule
+
     def propose_tree(self, state: DecodeState, acceptor: Acceptor, width: int, budget: int,
                      offer: Optional[Offer]) -> Proposal:
         """The continuations of up to `BRANCHES` earlier occurrences as one tree of at most max(budget, width - 1)
