@@ -5,7 +5,7 @@ all of its requests at once against each alone.
 
 One loaded pair (default: qwen2.5-coder-0.5b and its shipped drafter), greedy. Three runs of every request of the
 session (recorded as `benchmarks/agent_session.py` replays them):
-- **server, one at a time**: the server with its defaults (`max_batch` 4, draft trees "auto", the planner that
+- **server, one at a time**: the server with its defaults (batches of up to 8, draft trees "auto", the planner that
   remembers across requests, the prefix cache), each request sent after the last one's reply;
 - **generate**: the very prompt ids the server decoded (recorded from its worker) decoded by `stream_generate`
   with its defaults, which is what `dflash-mlx generate` runs: a planner that starts cold for every prompt. Each
@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--draft", default=None)
     parser.add_argument("--max-tokens", type=int, default=256, help="limit replies whose request sets none")
+    parser.add_argument("--prompt-cache-dir", type=Path, default=None, help="the server's prefix cache on disk, "
+                        "as serve --prompt-cache-dir (a rerun then skips the server's prefill of the session)")
     args = parser.parse_args(argv)
     records = load_session(args.session)
     if not records:
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     model, tokenizer, drafter = load(args.model, args.draft)
-    settings = ServerSettings(model_name="session", max_batch=len(records), default_max_tokens=args.max_tokens)
+    settings = ServerSettings(model_name="session", default_max_tokens=args.max_tokens,
+                              prompt_cache_dir=str(args.prompt_cache_dir) if args.prompt_cache_dir else None)
     app = create_app(model, tokenizer, drafter, settings)
     recorder = Recorder(app.state.server.generator)
     app.state.server.worker.generator = recorder

@@ -210,6 +210,8 @@ def _check_parents(parents: Sequence[int]) -> Tuple[int, ...]:
 class Tree(Segment):
     """A draft tree's nodes verified against the caches, which are only read (see the module docstring)."""
 
+    split_alone = True  # plain attention restated (`attend`): the nodes attend as one sequence
+
     def __init__(self, ids: mx.array, cache: List[Any], parents: Sequence[int]):
         super().__init__(ids, cache)
         self.parents = tuple(parents)
@@ -273,10 +275,19 @@ class Tree(Segment):
             queries, keys = attn.q_norm(queries), attn.k_norm(keys)
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
         values = v.reshape(n, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        # RoPE per node (its own position: one batch row each), then the nodes as ONE sequence of n query rows
+        # against the cached rows and the n new ones, the mask giving each node its ancestors: the attention of
+        # a chain of n tokens, where n one-token sequences would each read the whole cache.
         queries, keys = attn.rope(queries, offset=self.offsets), attn.rope(keys, offset=self.offsets)
-        keys, values = stand_in.update_and_fetch(keys, values)
-        out = scaled_dot_product_attention(queries, keys, values, cache=stand_in, scale=attn.scale,
-                                           mask=self.mask(i))
+        stand_in.new = (keys, values)
+        keys, values = keys.transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3)
+        cached_keys, cached_values = _visible(stand_in.real)
+        if cached_keys is not None:
+            keys = mx.concatenate([cached_keys, keys], axis=2)
+            values = mx.concatenate([cached_values, values], axis=2)
+        mask = self.mask(i)
+        out = scaled_dot_product_attention(queries.transpose(2, 1, 0, 3), keys, values, cache=None,
+                                           scale=attn.scale, mask=mask.reshape(1, 1, n, mask.shape[-1]))
         return out.transpose(0, 2, 1, 3).reshape(1, n, -1)
 
     def finish(self) -> None:

@@ -10,8 +10,10 @@ A pass is a list of **segments**, each one request's block with its own caches:
 The single stream's pass is one Chain; a tree verify is one Tree; a batch's pass is several of either (ragged: no
 padding, any widths). The segments' tokens are laid end to end as one stream [1, N, H] for the embedding, the
 final norm and the LM head. Per layer:
-- one segment: the layer runs whole on it, exactly the model's own call (a Tree runs it on its nodes as a batch
-  of one-token sequences, with stand-in caches that give every node its position and mask);
+- one Chain: the layer runs whole on it, exactly the model's own call;
+- one Tree: a pre-norm block with plain attention runs as below (its nodes attend as one sequence of query rows
+  under the ancestor mask, each at its own RoPE position); any other layer runs whole on its nodes as a batch of
+  one-token sequences, with stand-in caches that give every node its position and mask;
 - several segments, on a pre-norm block `h = x + mix(norm1(x)); h + mlp(norm2(h))` (`splittable`): the norms and
   the MLP run once on the whole stream and only the token mixer (attention, GatedDeltaNet) per segment; mlx-lm's
   plain attention (`plain_attention`) also projects q/k/v/o on the whole stream, and only RoPE, the cache and SDPA
@@ -61,6 +63,11 @@ def _is_linear(layer: nn.Module) -> bool:
 class Segment:
     """One request's block in a pass: its ids [1, w] and its caches (see the module docstring). Its methods take
     the local layer index i, the index of layer i's cache."""
+
+    # Whether a pre-norm layer runs on this segment through `_split` even when it is the pass's only segment:
+    # a chain runs the model's own layer; a tree restates plain attention (`tree.Tree.attend`) so that its nodes
+    # attend as one sequence instead of as one-token sequences that each read the whole cache.
+    split_alone = False
 
     def __init__(self, ids: mx.array, cache: Optional[List[Any]]):
         self.ids, self.cache = ids, cache
@@ -183,7 +190,7 @@ def walk(target, segments: Sequence[Segment]) -> Tuple[mx.array, Dict[int, mx.ar
     taps, kept = set(target.tap_layer_ids), {}
     for i, layer in enumerate(target.layers):
         g = first + i
-        if len(segments) > 1 and splittable(layer):
+        if (len(segments) > 1 or segments[0].split_alone) and splittable(layer):
             h = _split(layer, i, segments, h, parts)
         else:
             outs = []
