@@ -1,7 +1,12 @@
 """Verify a draft tree in one target forward pass, then keep exactly the accepted path's cache rows.
 
-`tree_forward` runs the n+1 block slots through the package's one layer walk as a `walk.Tree` segment: each
-layer sees them as a BATCH of n+1 one-token sequences ([n+1, 1, H]); nothing in mlx-lm is patched. Each attention layer gets a `TreeKV` stand-in for its cache:
+`tree_forward` runs the n+1 block slots through the package's one layer walk as a `walk.Tree` segment. A pre-norm
+layer with mlx-lm's plain attention runs its norms, projections and MLP on the n+1 tokens as a chain would, and
+`Tree.attend` rotates each node at its own position (the nodes as a batch of n+1 one-token rows for `mx.fast.rope`,
+which takes one offset per batch row), then attends with them as ONE sequence of n+1 query rows against the cached
+rows and the new ones, under the ancestor mask: the cost of a chain of n+1 tokens. Any other layer (MLA, Gemma's
+attention) sees the nodes as a BATCH of n+1 one-token sequences ([n+1, 1, H]) and runs whole; nothing in mlx-lm is
+patched. Each attention layer gets a `TreeKV` stand-in for its cache:
 - `offset` is an array [n+1] (cache offset + depth of each node): mlx-lm's attentions pass `cache.offset` to
   `mx.fast.rope`, which takes one offset per batch row, so every node is rotated at its own chain position;
 - `update_and_fetch` returns, for every row, the real cache's visible rows followed by all n+1 new rows, and keeps
@@ -19,7 +24,8 @@ part of the path is as exact as after a chain verify. Rows are the tree's own nu
 row alike (CPU bf16; fp32 on MLX's bundled BLAS) they are bit-identical to a chain pass of the path, logits and
 caches (not deepseek_v3: its MLA takes another formula for one-token queries); with the OpenBLAS this package
 loads, fp32 rows round by row count, so they agree to ~1e-5 of the logit scale, as a block chain does with a
-token-at-a-time chain. Cost: each attention row reads all cached rows (broadcast over the n+1 rows).
+token-at-a-time chain. Cost: as a chain of n+1 tokens on plain attention; where the nodes run as a batch, each
+node's attention reads all cached rows (broadcast over the n+1 rows).
 
 `tree_support` says why a target/cache cannot take trees (callers then verify chains).
 """
