@@ -1,11 +1,13 @@
 """What a verified row costs at a long context, and where it goes: one target pass by its row count over an empty
-cache and over a long one, then one layer's attention pieces at that length.
+cache and over a long one (a chain, and a draft tree of as many nodes), then one layer's attention pieces at that
+length.
 
     python benchmarks/row_cost.py [--model qwen2.5-coder-0.5b] [--context 8800] [--rows 1,4,8,16,32]
 
 The long cache is filled with random keys and values (no prefill: a pass's cost depends on the cache's length,
 not on what it holds), so the figures come in a minute. Prints, per row count, the seconds of a pass (best of
-`--reps`) with an empty cache and with `--context` cached tokens, and the seconds each further row adds. Then, for
+`--reps`) with an empty cache and with `--context` cached tokens, the same rows verified as a draft tree (a binary
+tree: node i the child of node (i-1)//2) over the long cache, and the seconds each further row adds. Then, for
 the widest row count, one attention layer's parts as MLX runs them on this device: the scores (q k^T), the softmax
 (and its `exp` alone, against NumPy's `exp` on the same numbers), and the weighted sum of values.
 """
@@ -52,11 +54,13 @@ def main(argv=None) -> int:
 
     from dflash_mlx import load
     from dflash_mlx.models.loading import prepare
+    from dflash_mlx.targets.tree import tree_segment
+    from dflash_mlx.targets.walk import run
 
     model, _, drafter = load(args.model)
     target = prepare(model, drafter)
     print(f"{args.model}: one target pass by rows (best of {args.reps})")
-    print(f"{'rows':>5} {'empty cache (s)':>16} {f'{args.context} cached (s)':>18}")
+    print(f"{'rows':>5} {'empty cache (s)':>16} {f'{args.context} cached (s)':>18} {'as a tree (s)':>18}")
     timed = {}
     for n in rows:
         ids = mx.array([[100 + i for i in range(n)]])
@@ -70,7 +74,17 @@ def main(argv=None) -> int:
                 return time.perf_counter() - tic
             cost.append(min(one_pass() for _ in range(args.reps)))
         timed[n] = cost
-        print(f"{n:>5} {cost[0]:>16.3f} {cost[1]:>18.3f}")
+        tree = "-"
+        if n > 1:
+            def tree_pass():
+                caches = filled_caches(target, args.context)
+                segment = tree_segment(target, ids, [-1] + [(i - 1) // 2 for i in range(1, n)], caches)
+                tic = time.perf_counter()
+                (logits,), _ = run(target, [segment])
+                mx.eval(logits)
+                return time.perf_counter() - tic
+            tree = f"{min(tree_pass() for _ in range(args.reps)):.3f}"
+        print(f"{n:>5} {cost[0]:>16.3f} {cost[1]:>18.3f} {tree:>18}")
     lo, hi = min(rows), max(rows)
     if hi > lo:
         for i, label in ((0, "empty cache"), (1, f"{args.context} cached")):
