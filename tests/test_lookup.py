@@ -11,6 +11,7 @@ from dflash_mlx.decode.generation import Generation
 from dflash_mlx.decode.lookup import LookupIndex
 from dflash_mlx.decode.sources import DFLASH, LOOKUP, PLAIN, SourceChoice, match_bucket
 from dflash_mlx.decode.stats import AcceptanceStats
+from dflash_mlx.decode.proposal import Offer
 from dflash_mlx.decode.width import WidthPolicy
 
 
@@ -213,6 +214,24 @@ def test_choice_weighs_lookup_against_dflash_and_takes_supplied_rates():
     choice.record(1, 0, 1.0)
     choice.offer(None)
     assert choice.choose() == 4 and choice.source == DFLASH
+
+
+def test_narrow_lookup_widths_cost_between_a_plain_step_and_the_narrowest_measured():
+    # Measured (as on a CPU at a long context): a plain step 0.5 s, an 8-wide lookup pass 0.9 s.
+    dflash = WidthPolicy(4)
+    choice = SourceChoice(dflash, lookup_width=16)
+    for _ in range(10):  # a drafter whose drafts are never accepted: plain decoding is the rival
+        dflash.record(4, 0, 0.7)
+    dflash.record(1, 0, 0.5)
+    choice.costs.record(8, 1, 0.9)
+    assert choice.lookup_cost(2) == pytest.approx(0.5 + 0.4 / 7)
+    assert choice.lookup_cost(5) == pytest.approx(0.5 + 0.4 * 4 / 7)
+    assert choice.lookup_cost(8) == pytest.approx(0.9) and choice.lookup_cost(12) == pytest.approx(0.9)
+    # So a 2-token match (half its guesses right) is copied 2 or 3 tokens wide, where pricing every narrower width
+    # as the 8-wide pass made the widest copy look best: a miss now costs a tenth of a step, not four fifths.
+    choice._offer = Offer(LOOKUP, 16, list(range(15)), 2, rates=[0.5] * 15)
+    width = choice.choose()
+    assert choice.source == LOOKUP and width <= 3
 
 
 def test_stats_count_passes_and_tokens_per_source():

@@ -14,8 +14,9 @@ the context by `proposers.lookup.LookupProposer`) and, when there is a drafter, 
   each shrunk toward the pooled lookup counts, those toward a prior that grows with the match length.
 - c_s(w): measured seconds per pass, from the time between the loop's syncs, per source (a lookup pass is a
   verify pass without the drafter's forward, so it is cheaper than a DFlash pass of the same width). Plain decoding
-  (w = 1) is one cost shared by both. Lookup widths not yet measured are taken as the nearest measured one (or
-  plain decoding's), so they are tried.
+  (w = 1) is one cost shared by both. Lookup widths not yet measured are interpolated between measured ones, with
+  plain decoding's cost at width 1 (a lookup pass of width 1 is a plain step), and taken flat above the widest
+  measured one (or as plain decoding's before any is measured), so they are tried.
 
 A lookup offer that loses is not tried: its acceptance estimate only fades back toward the prior, so a match
 length that failed is retried after a while rather than every pass. With no drafter, the choice is lookup or
@@ -109,8 +110,15 @@ class SourceChoice:
         return self.costs.cost(1)
 
     def lookup_cost(self, width: int) -> Optional[float]:
-        if not any(w > 1 for w in self.costs.measured_widths()):
+        measured = [w for w in self.costs.measured_widths() if w > 1]
+        if not measured:
             return self.plain_cost()  # optimistic until measured, so lookup gets tried
+        narrowest, plain = measured[0], self.plain_cost()
+        if width < narrowest and plain is not None:
+            # A lookup pass of width 1 is a plain step: a width narrower than any measured costs between the two
+            # (not the narrowest measured one's, which would make a cautious 2-token copy look as dear as a wide one).
+            top = self.costs.cost(narrowest)
+            return min(top, plain + max(0.0, top - plain) * (width - 1) / (narrowest - 1))
         return self.costs.cost(width)
 
     def _best_lookup(self, offer: Offer):
