@@ -105,6 +105,22 @@ def test_bench_binary_prompts_file(pair, tmp_path, capsys):
     assert code == 2 and "not UTF-8 text" in line
 
 
+def test_collapse_needs_a_few_drafting_passes_to_judge():
+    """A generation whose planner drafted once or twice (lookup or plain decoding did the rest) has not shown that
+    the drafter collapsed, however many passes it ran; four drafting passes with nothing accepted have."""
+    from dflash_mlx.decode.stats import AcceptanceStats, CollapseWatch
+
+    stats = AcceptanceStats(adaptive=True)
+    for _ in range(40):
+        stats.record(7, 8, "lookup")
+    for _ in range(3):
+        stats.record(0, 4)
+    assert CollapseWatch().check(stats) is None
+    stats.record(0, 4)
+    message = CollapseWatch().check(stats)
+    assert message is not None and "0.00 drafts accepted per drafting pass over 4 passes" in message
+
+
 def test_collapse_warning_waits_for_the_end_of_the_text(pair, caplog):
     """A warning must not split the streamed text: nothing is logged while responses are still coming."""
     import logging

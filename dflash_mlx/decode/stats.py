@@ -88,16 +88,19 @@ class CollapseWatch:
     """
 
     def __init__(self, min_cycles: int = 32, max_accepted: float = 0.25, made_for: Optional[str] = None,
-                 fixed_trees: bool = False, own_layers: bool = False):
+                 fixed_trees: bool = False, own_layers: bool = False, min_drafted: int = 4):
         self.fixed_trees = fixed_trees  # a fixed tree budget, not a fixed width, keeps every drafting pass wide
         self.min_cycles = min_cycles
+        # Drafting passes judged before a verdict: a generation whose planner chose the drafter a few times (lookup
+        # or plain decoding did the rest) has not shown that the drafter collapsed.
+        self.min_drafted = min_drafted
         self.max_accepted = max_accepted
         self.made_for = made_for  # the target the drafter was published for, when it was picked by that name
         self.own_layers = own_layers  # the drafts come from the target's own MTP layers, not a separate drafter
         self.fired = False
 
     def check(self, stats: AcceptanceStats):
-        if (self.fired or stats.cycles < self.min_cycles or not stats.drafted_cycles
+        if (self.fired or stats.cycles < self.min_cycles or stats.drafted_cycles < max(1, self.min_drafted)
                 or stats.accepted_per_draft > self.max_accepted):
             return None
         self.fired = True
