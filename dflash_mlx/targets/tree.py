@@ -103,15 +103,21 @@ class TreeKV:
         self.offset = offsets  # [n+1]: one RoPE position per batch row
         self.new: Optional[Tuple[mx.array, mx.array]] = None
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        # keys: [n+1, heads, 1, d]; every row sees the cached rows, then all n+1 new ones (the mask picks).
+    def sequence(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """The nodes' keys and values [n+1, heads, 1, d], kept for `commit_path`, laid after the cached rows as one
+        sequence [1, heads, S+n+1, d]."""
         self.new = (keys, values)
-        n = keys.shape[0]
         ks, vs = keys.transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3)
         pk, pv = _visible(self.real)
         if pk is not None:
             ks, vs = mx.concatenate([pk, ks], axis=2), mx.concatenate([pv, vs], axis=2)
-        # SDPA wants equal batch sizes for queries and keys.
+        return ks, vs
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # Every batch row (node) sees the cached rows, then all n+1 new ones (the mask picks); SDPA wants equal
+        # batch sizes for queries and keys.
+        n = keys.shape[0]
+        ks, vs = self.sequence(keys, values)
         return (mx.broadcast_to(ks, (n, *ks.shape[1:])), mx.broadcast_to(vs, (n, *vs.shape[1:])))
 
 
@@ -285,12 +291,7 @@ class Tree(Segment):
         # against the cached rows and the n new ones, the mask giving each node its ancestors: the attention of
         # a chain of n tokens, where n one-token sequences would each read the whole cache.
         queries, keys = attn.rope(queries, offset=self.offsets), attn.rope(keys, offset=self.offsets)
-        stand_in.new = (keys, values)
-        keys, values = keys.transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3)
-        cached_keys, cached_values = _visible(stand_in.real)
-        if cached_keys is not None:
-            keys = mx.concatenate([cached_keys, keys], axis=2)
-            values = mx.concatenate([cached_values, values], axis=2)
+        keys, values = stand_in.sequence(keys, values)
         mask = self.mask(i)
         out = scaled_dot_product_attention(queries.transpose(2, 1, 0, 3), keys, values, cache=None,
                                            scale=attn.scale, mask=mask.reshape(1, 1, n, mask.shape[-1]))
