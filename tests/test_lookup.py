@@ -226,12 +226,35 @@ def test_narrow_lookup_widths_cost_between_a_plain_step_and_the_narrowest_measur
     choice.costs.record(8, 1, 0.9)
     assert choice.lookup_cost(2) == pytest.approx(0.5 + 0.4 / 7)
     assert choice.lookup_cost(5) == pytest.approx(0.5 + 0.4 * 4 / 7)
-    assert choice.lookup_cost(8) == pytest.approx(0.9) and choice.lookup_cost(12) == pytest.approx(0.9)
+    assert choice.lookup_cost(8) == pytest.approx(0.9) and choice.lookup_cost(12) == pytest.approx(0.5 + 0.4 * 11 / 7)
     # So a 2-token match (half its guesses right) is copied 2 or 3 tokens wide, where pricing every narrower width
     # as the 8-wide pass made the widest copy look best: a miss now costs a tenth of a step, not four fifths.
     choice._offer = Offer(LOOKUP, 16, list(range(15)), 2, rates=[0.5] * 15)
     width = choice.choose()
     assert choice.source == LOOKUP and width <= 3
+
+
+def test_one_slow_pass_neither_prices_its_neighbours_nor_keeps_a_loop_narrow():
+    # Measured: a plain step 0.34 s, lookup passes of 2, 4 and 8 tokens at about 0.03 s a further row, and one
+    # 21-token pass that hit a slow moment (1.72 s where 0.94 was due).
+    dflash = WidthPolicy(4)
+    choice = SourceChoice(dflash, lookup_width=32)
+    for _ in range(10):
+        dflash.record(4, 0, 0.5)
+    dflash.record(1, 0, 0.34)
+    for width, seconds in ((2, 0.37), (4, 0.43), (8, 0.55), (21, 1.72)):
+        choice.costs.record(width, 1, seconds)
+    assert choice.lookup_cost(21) == pytest.approx(1.72)  # its own measurement stands
+    assert choice.lookup_cost(16) == pytest.approx(0.34 + 15 * 0.03, rel=0.01)  # not 1.27 (interpolated to it)
+    # A loop copied 8 wide, every pass accepted whole: its estimates reach the slots no pass has checked, so the
+    # next copy is wider than 8.
+    for _ in range(20):
+        choice._offer = Offer(LOOKUP, 32, list(range(31)), 32)
+        assert choice.choose() > 1 and choice.source == LOOKUP
+        choice.record(8, 7, 0.55)
+    assert min(choice.lookup_rates(32, 31)[8:]) > 0.9
+    choice._offer = Offer(LOOKUP, 32, list(range(31)), 32)
+    assert choice.choose() >= 16
 
 
 def test_stats_count_passes_and_tokens_per_source():

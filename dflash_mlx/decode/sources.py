@@ -14,9 +14,9 @@ the context by `proposers.lookup.LookupProposer`) and, when there is a drafter, 
   each shrunk toward the pooled lookup counts, those toward a prior that grows with the match length.
 - c_s(w): measured seconds per pass, from the time between the loop's syncs, per source (a lookup pass is a
   verify pass without the drafter's forward, so it is cheaper than a DFlash pass of the same width). Plain decoding
-  (w = 1) is one cost shared by both. Lookup widths not yet measured are interpolated between measured ones, with
-  plain decoding's cost at width 1 (a lookup pass of width 1 is a plain step), and taken flat above the widest
-  measured one (or as plain decoding's before any is measured), so they are tried.
+  (w = 1) is one cost shared by both. A lookup width not yet measured costs a plain step plus its extra rows at the
+  median per-row cost of the measured widths (a lookup pass of width 1 is a plain step); before any is measured,
+  a plain step's, so lookup gets tried.
 
 A lookup offer that loses is not tried: its acceptance estimate only fades back toward the prior, so a match
 length that failed is retried after a while rather than every pass. With no drafter, the choice is lookup or
@@ -29,6 +29,7 @@ reads the chosen source after (`source`, and `lookup_tokens` for a copy).
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Dict, List, Optional
 
 from .lookup import LookupDraft
@@ -60,8 +61,13 @@ class _SlotCounts:
             self.hits[i] += 1.0 if i <= accepted else 0.0
 
     def rates(self, prior: List[float], weight: float) -> List[float]:
-        """Per-slot acceptance, each slot shrunk toward `prior` (same length) with `weight` observations."""
-        return [(self.hits[i] + weight * prior[i - 1]) / (self.trials[i] + weight) for i in range(1, len(prior) + 1)]
+        """Per-slot acceptance, each slot shrunk with `weight` observations toward these counts' acceptance over all
+        their slots, that shrunk toward `prior` (same length). A copy that held for every slot a pass checked likely
+        holds for the next: the slots that narrow passes never reached are estimated from the ones they did (else a
+        loop copied 8 wide, all accepted, would never learn that 16 wide pays)."""
+        hits, trials = sum(self.hits[1:]), sum(self.trials[1:])
+        overall = [(hits + weight * p) / (trials + weight) for p in prior]
+        return [(self.hits[i] + weight * overall[i - 1]) / (self.trials[i] + weight) for i in range(1, len(prior) + 1)]
 
 
 class SourceChoice:
@@ -111,15 +117,16 @@ class SourceChoice:
 
     def lookup_cost(self, width: int) -> Optional[float]:
         measured = [w for w in self.costs.measured_widths() if w > 1]
+        plain = self.plain_cost()
         if not measured:
-            return self.plain_cost()  # optimistic until measured, so lookup gets tried
-        narrowest, plain = measured[0], self.plain_cost()
-        if width < narrowest and plain is not None:
-            # A lookup pass of width 1 is a plain step: a width narrower than any measured costs between the two
-            # (not the narrowest measured one's, which would make a cautious 2-token copy look as dear as a wide one).
-            top = self.costs.cost(narrowest)
-            return min(top, plain + max(0.0, top - plain) * (width - 1) / (narrowest - 1))
-        return self.costs.cost(width)
+            return plain  # optimistic until measured, so lookup gets tried
+        if width in measured or plain is None:
+            return self.costs.cost(width)
+        # A lookup pass is a plain step plus its extra rows, each costing about the same: an unmeasured width is
+        # priced on the median per-row cost of the measured ones. One slow pass at a width (a hiccup of the
+        # machine) then neither makes its neighbours look dear nor keeps wider copies from being tried.
+        per_row = statistics.median(max(0.0, self.costs.cost(w) - plain) / (w - 1) for w in measured)
+        return plain + per_row * (width - 1)
 
     def _best_lookup(self, offer: Offer):
         """(rate, width) of the best lookup pass for this offer (rate None while nothing is measured)."""

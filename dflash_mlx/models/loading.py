@@ -28,7 +28,7 @@ from ..dtypes import dtype_name  # noqa: F401  (re-exported: commands import it 
 from ..decode.lookup import LOOKUP_ONLY, MTP_HEADS
 from ..errors import DFlashError
 from ..refs import is_repo_id
-from ..targets import TargetModel, build_target, supported_model_types
+from ..targets import TargetModel, attention, build_target, supported_model_types
 from ..targets.families import family_for
 from ..validate import check_model_dir
 from .hub import hub_failure
@@ -202,6 +202,7 @@ def prepare(model: Union[nn.Module, TargetModel], drafter: Optional[DFlashDrafte
             drafter.bind(TargetBinding(target.embed, functools.partial(target.head, softcap=False),
                                        target.final_logit_softcapping, source=target))
     _targets[(id(target.model), tuple(target.tap_layer_ids))] = target
+    attention.warm_up(target)
     if probe:
         target.probe_parity()
     return target

@@ -38,12 +38,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update
 
 from ..errors import DFlashError
 from .adapter import TargetModel, split_into_stages
+from .attention import attention
 from .walk import Segment, run
 from .hybrid import GatedDeltaCache, GDNWrite, ReplayRollback, TapeRollback, gdn_heads, gdn_output, gdn_project
 from .rotating import WindowKVCache
@@ -293,8 +293,8 @@ class Tree(Segment):
         queries, keys = attn.rope(queries, offset=self.offsets), attn.rope(keys, offset=self.offsets)
         keys, values = stand_in.sequence(keys, values)
         mask = self.mask(i)
-        out = scaled_dot_product_attention(queries.transpose(2, 1, 0, 3), keys, values, cache=None,
-                                           scale=attn.scale, mask=mask.reshape(1, 1, n, mask.shape[-1]))
+        out = attention(queries.transpose(2, 1, 0, 3), keys, values, cache=None, scale=attn.scale,
+                        mask=mask.reshape(1, 1, n, mask.shape[-1]))
         return out.transpose(0, 2, 1, 3).reshape(1, n, -1)
 
     def finish(self) -> None:

@@ -37,8 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import scaled_dot_product_attention
-
+from . import attention
 from .hybrid import gated_delta_net
 from .mlx_lm_contract import PLAIN_ATTENTION, PLAIN_ATTENTION_MODULES, PRE_NORM_LAYER, PRE_NORM_MODULES
 
@@ -64,9 +63,9 @@ class Segment:
     """One request's block in a pass: its ids [1, w] and its caches (see the module docstring). Its methods take
     the local layer index i, the index of layer i's cache."""
 
-    # Whether a pre-norm layer runs on this segment through `_split` even when it is the pass's only segment:
-    # a chain runs the model's own layer; a tree restates plain attention (`tree.Tree.attend`) so that its nodes
-    # attend as one sequence instead of as one-token sequences that each read the whole cache.
+    # Whether a pre-norm layer runs on this segment through `_split` even when it is the pass's only segment: a
+    # tree restates plain attention (`tree.Tree.attend`) so that its nodes attend as one sequence instead of as
+    # one-token sequences that each read the whole cache; a chain does on the CPU path (`Chain.split_alone`).
     split_alone = False
 
     def __init__(self, ids: mx.array, cache: Optional[List[Any]]):
@@ -108,6 +107,12 @@ class Segment:
 class Chain(Segment):
     """Consecutive tokens after the cache's last position, written to the caches (see the module docstring)."""
 
+    @property
+    def split_alone(self) -> bool:
+        # On MLX's CPU backend a short pass attends through `attention.attention`, which only the restated plain
+        # attention calls (`attend`); elsewhere a lone chain runs the model's own layer.
+        return attention.on_cpu_path(self.width)
+
     def begin(self, target, h: mx.array) -> None:
         n = len(target.layers)
         cache = [None] * n if self.cache is None else list(self.cache) + [None] * (n - len(self.cache))
@@ -134,7 +139,7 @@ class Chain(Segment):
         queries, keys = attn.rope(queries, offset=offset), attn.rope(keys, offset=offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=self.masks[i])
+        out = attention.attention(queries, keys, values, cache=cache, scale=attn.scale, mask=self.masks[i])
         return out.transpose(0, 2, 1, 3).reshape(1, n, -1)
 
 

@@ -1,0 +1,113 @@
+"""The layer walk's attention on MLX's CPU backend (`targets/attention.py`) against MLX's own
+`mx.fast.scaled_dot_product_attention`: every mask form, grouped-query heads, row counts, dtypes; its fused
+exponent; what it hands to mlx-lm; and that the walk routes a lone chain through it only on the CPU path."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx.targets import attention as attn_mod
+from dflash_mlx.targets.attention import attention, shifted_exp, uses_own
+
+
+def _masks(rows: int, length: int, heads: int):
+    keep_first = mx.arange(length)[None] == 0  # every row sees a key: no all-masked row (NaN in both)
+    yield None
+    yield "causal"
+    yield (mx.random.uniform(shape=(rows, length)) > 0.4) | keep_first
+    yield (mx.random.uniform(shape=(1, heads, rows, length)) > 0.4) | keep_first
+    yield mx.random.normal((1, 1, rows, length))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+def test_matches_mlx_attention_in_float32(heads, kv_heads, rows):
+    mx.random.seed(rows * 100 + heads)
+    for length in (rows, rows + 37, 700):
+        q = mx.random.normal((1, heads, rows, 32))
+        k, v = mx.random.normal((1, kv_heads, length, 32)), mx.random.normal((1, kv_heads, length, 32))
+        for mask in _masks(rows, length, heads):
+            ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+            out = attention(q, k, v, None, 0.3, mask)
+            err = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+            assert err < 5e-6, (length, None if mask is None else getattr(mask, "shape", mask), err)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_matches_mlx_attention_in_half_precision(dtype):
+    mx.random.seed(3)
+    q = mx.random.normal((1, 8, 16, 64)).astype(dtype)
+    k, v = (mx.random.normal((1, 2, 300, 64)).astype(dtype) for _ in range(2))
+    for mask in ("causal", None):
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        out = attention(q, k, v, None, 0.125, mask)
+        assert out.dtype == dtype
+        tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+        assert mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item() < tol
+
+
+def test_masked_keys_weigh_exactly_nothing():
+    """A masked key's value, however large, leaves no trace (the exponent of -inf is exactly 0)."""
+    mx.random.seed(5)
+    q, k = mx.random.normal((1, 4, 3, 16)), mx.random.normal((1, 4, 50, 16))
+    v = mx.random.normal((1, 4, 50, 16))
+    mask = mx.ones((3, 50), dtype=mx.bool_)
+    mask[:, 10:20] = False
+    hidden = (mx.arange(50)[:, None] >= 10) & (mx.arange(50)[:, None] < 20)
+    loud = mx.where(hidden, 1e30, v)
+    base, noisy = attention(q, k, v, None, 0.25, mask), attention(q, k, loud, None, 0.25, mask)
+    assert mx.array_equal(base, noisy).item()
+
+
+def test_fused_exponent_is_within_a_few_ulps_and_zero_below_range():
+    x = mx.concatenate([mx.linspace(-87.0, 0.0, 200001), -mx.random.uniform(shape=(100000,)) * 20])
+    got, want = np.array(shifted_exp(x, mx.array(0.0))), np.exp(np.array(x, dtype=np.float64))
+    rel = np.abs(got - want) / want
+    assert rel.max() < 4e-7, rel.max()
+    edge = shifted_exp(mx.array([-math.inf, -1e4, -90.0, -88.0]), mx.array(0.0))
+    assert np.array(edge).tolist() == [0.0, 0.0, 0.0, 0.0]
+    # The shift: exp(s - m), s <= m.
+    s = mx.array([[1.0, 3.0, 2.0]])
+    assert np.allclose(np.array(shifted_exp(s, mx.array(3.0))), np.exp([-2.0, 0.0, -1.0]), rtol=1e-6)
+
+
+def test_compiled_kernel_keeps_a_bounded_number_of_shapes():
+    fused = attn_mod._Fused()
+    shift = mx.zeros((1, 1))
+    for n in range(1, 3 * fused.MAX_SHAPES):
+        out = fused(mx.zeros((1, n)), shift)
+        assert len(fused._shapes) <= fused.MAX_SHAPES
+    assert np.array(out).tolist() == [[1.0] * (3 * fused.MAX_SHAPES - 1)]
+
+
+def test_what_goes_to_mlx_lm():
+    q = mx.zeros((1, 4, 8, 16))
+
+    class Quantized:
+        bits, group_size = 4, 64
+
+    assert uses_own(q)
+    assert not uses_own(q, cache=Quantized())  # mlx-lm's quantized attention
+    assert not uses_own(q, sinks=mx.zeros((4,)))
+    assert not uses_own(mx.zeros((1, 4, attn_mod.MAX_ROWS + 1, 16)))  # a prefill chunk: MLX's own call
+    if mx.metal.is_available():
+        with mx.stream(mx.gpu):
+            assert not uses_own(q)  # a GPU: MLX's fused kernel
+
+
+def test_switched_off_it_is_mlx_lm_call(monkeypatch):
+    monkeypatch.setattr(attn_mod, "ENABLED", False)
+    q, k, v = mx.random.normal((1, 4, 6, 16)), mx.random.normal((1, 2, 20, 16)), mx.random.normal((1, 2, 20, 16))
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert mx.array_equal(attention(q, k, v, None, 0.25, "causal"), ref).item()
+
+
+def test_a_lone_chain_takes_the_restated_attention_only_when_short():
+    from dflash_mlx.targets.walk import Chain
+
+    assert Chain(mx.zeros((1, 16), dtype=mx.int32), None).split_alone
+    assert not Chain(mx.zeros((1, attn_mod.MAX_ROWS + 1), dtype=mx.int32), None).split_alone
