@@ -2,14 +2,16 @@
 cache and over a long one (a chain, and a draft tree of as many nodes), then one layer's attention pieces at that
 length.
 
-    python benchmarks/row_cost.py [--model qwen2.5-coder-0.5b] [--context 8800] [--rows 1,4,8,16,32]
+    python benchmarks/row_cost.py [--model qwen2.5-coder-0.5b] [--context 8800] [--rows 1,4,8,16,32] [--mlx-attention]
 
 The long cache is filled with random keys and values (no prefill: a pass's cost depends on the cache's length,
 not on what it holds), so the figures come in a minute. Prints, per row count, the seconds of a pass (best of
 `--reps`) with an empty cache and with `--context` cached tokens, the same rows verified as a draft tree (a binary
 tree: node i the child of node (i-1)//2) over the long cache, and the seconds each further row adds. Then, for
 the widest row count, one attention layer's parts as MLX runs them on this device: the scores (q k^T), the softmax
-(and its `exp` alone, against NumPy's `exp` on the same numbers), and the weighted sum of values.
+(and its `exp` alone, against NumPy's `exp` on the same numbers), and the weighted sum of values. The passes run
+the engine's attention, which on MLX's CPU backend computes the softmax's exponent as a fused polynomial
+(`dflash_mlx.targets.attention`); `--mlx-attention` times them with MLX's own attention instead.
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=8800, help="cached tokens of the long context")
     parser.add_argument("--rows", default="1,4,8,16,32", help="row counts to time")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--mlx-attention", action="store_true",
+                        help="time the passes with MLX's own attention, not the engine's CPU path")
     args = parser.parse_args(argv)
+    from dflash_mlx.targets import attention
+
+    attention.ENABLED = not args.mlx_attention
     rows = [int(r) for r in args.rows.split(",")]
 
     from dflash_mlx import load
@@ -59,7 +66,8 @@ def main(argv=None) -> int:
 
     model, _, drafter = load(args.model)
     target = prepare(model, drafter)
-    print(f"{args.model}: one target pass by rows (best of {args.reps})")
+    print(f"{args.model}: one target pass by rows (best of {args.reps}), "
+          f"{'MLX' if args.mlx_attention else 'the engine'}'s attention")
     print(f"{'rows':>5} {'empty cache (s)':>16} {f'{args.context} cached (s)':>18} {'as a tree (s)':>18}")
     timed = {}
     for n in rows:

@@ -64,7 +64,7 @@ class _Fused:
         return self._fn(scores, shift)
 
 
-_fused_exp = _Fused()
+fused_exp = _Fused()
 
 
 def on_cpu_path(rows: int) -> bool:
@@ -111,7 +111,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
         grouped = _grouped_mask(mask, heads, kv_heads)
         scores = mx.where(grouped, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + grouped
     top = mx.max(scores, axis=-1, keepdims=True).astype(mx.float32)
-    weights = _fused_exp(scores, top)  # float32, as MLX's precise softmax
+    weights = fused_exp(scores, top)  # float32, as MLX's precise softmax
     total = mx.sum(weights, axis=-1).reshape(b, kv_heads, group * rows, 1)
     # Normalised after the weighted sum: [rows, D] divisions instead of [rows, K] (rounding differs, no more).
     out = weights.astype(values.dtype).reshape(b, kv_heads, group * rows, length) @ values
@@ -126,7 +126,7 @@ def warm_up(target) -> None:
     if not on_cpu_path(2):
         return
     seen = set()
-    for layer in target.layers:
+    for layer in getattr(target.inner, "layers", ()):  # every layer's head shapes (a pipeline stage's included)
         attn = getattr(layer, "self_attn", None)
         if attn is None or not all(hasattr(attn, a) for a in ("n_heads", "n_kv_heads", "q_proj")):
             continue

@@ -10,14 +10,15 @@ A pass is a list of **segments**, each one request's block with its own caches:
 The single stream's pass is one Chain; a tree verify is one Tree; a batch's pass is several of either (ragged: no
 padding, any widths). The segments' tokens are laid end to end as one stream [1, N, H] for the embedding, the
 final norm and the LM head. Per layer:
-- one Chain: the layer runs whole on it, exactly the model's own call;
+- one Chain: the layer runs whole on it, exactly the model's own call (on MLX's CPU backend a short chain, a verify
+  block or a decode step, runs as several segments do, for `attention.attention`'s cheaper softmax);
 - one Tree: a pre-norm block with plain attention runs as below (its nodes attend as one sequence of query rows
   under the ancestor mask, each at its own RoPE position); any other layer runs whole on its nodes as a batch of
   one-token sequences, with stand-in caches that give every node its position and mask;
 - several segments, on a pre-norm block `h = x + mix(norm1(x)); h + mlp(norm2(h))` (`splittable`): the norms and
   the MLP run once on the whole stream and only the token mixer (attention, GatedDeltaNet) per segment; mlx-lm's
   plain attention (`plain_attention`) also projects q/k/v/o on the whole stream, and only RoPE, the cache and SDPA
-  run per segment (a decode step is memory-bound: the weights read once per pass, not once per request);
+  (`attention.attention`) run per segment (a decode step is memory-bound: the weights read once per pass, not once per request);
 - several segments on any other layer: the layer runs whole per segment.
 
 Family differences (embedding, masks, KV sharing and per-layer inputs) are hooks of `families.Family`, so this
