@@ -111,3 +111,17 @@ def test_a_lone_chain_takes_the_restated_attention_only_when_short():
 
     assert Chain(mx.zeros((1, 16), dtype=mx.int32), None).split_alone
     assert not Chain(mx.zeros((1, attn_mod.MAX_ROWS + 1), dtype=mx.int32), None).split_alone
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_heads_shared_out_among_streams_give_the_same_result_bit_for_bit(monkeypatch, workers):
+    mx.random.seed(9)
+    heads, kv_heads, rows, length = 12, 3, 6, 90
+    q = mx.random.normal((1, heads, rows, 16))
+    k, v = mx.random.normal((1, kv_heads, length, 16)), mx.random.normal((1, kv_heads, length, 16))
+    masks = list(_masks(rows, length, heads))
+    monkeypatch.setattr(attn_mod, "WORKERS", 1)
+    alone = [attention(q, k, v, None, 0.25, m) for m in masks]
+    monkeypatch.setattr(attn_mod, "WORKERS", workers)
+    for m, want in zip(masks, alone):
+        assert mx.array_equal(attention(q, k, v, None, 0.25, m), want).item()
