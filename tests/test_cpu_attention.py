@@ -125,3 +125,29 @@ def test_heads_shared_out_among_streams_give_the_same_result_bit_for_bit(monkeyp
     monkeypatch.setattr(attn_mod, "WORKERS", workers)
     for m, want in zip(masks, alone):
         assert mx.array_equal(attention(q, k, v, None, 0.25, m), want).item()
+
+
+def test_another_thread_gets_streams_and_kernels_of_its_own(monkeypatch):
+    """A server prepares its target on one thread and decodes on another: MLX's streams (and the fused kernel's
+    trace) belong to the thread that made them."""
+    import threading
+
+    monkeypatch.setattr(attn_mod, "WORKERS", 2)
+    mx.random.seed(11)
+    q, k, v = mx.random.normal((1, 8, 5, 16)), mx.random.normal((1, 2, 40, 16)), mx.random.normal((1, 2, 40, 16))
+    here = attention(q, k, v, None, 0.25, "causal")
+    mx.eval(here)
+    got = {}
+
+    def worker():
+        try:
+            got["out"] = attention(q, k, v, None, 0.25, "causal")
+            mx.eval(got["out"])
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            got["error"] = exc
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=60)
+    assert "error" not in got, got.get("error")
+    assert mx.array_equal(got["out"], here).item()

@@ -15,6 +15,7 @@ differs from one row. A quantized KV cache, attention sinks and any other device
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 import mlx.core as mx
@@ -27,7 +28,9 @@ MAX_ROWS = 64
 ENABLED = True
 # CPU streams the KV heads are shared out among: one per core this process may run on.
 WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-_extra_streams: List[Any] = []
+# MLX's streams belong to the thread that made them, and a compiled function's trace to its streams: each thread
+# (a server's worker, a caller's) keeps its own extra streams and fused kernel.
+_per_thread = threading.local()
 
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * _LN2_HI is exact (Cody-Waite)
@@ -68,7 +71,12 @@ class _Fused:
         return self._fn(scores, shift)
 
 
-fused_exp = _Fused()
+def fused_exp(scores: mx.array, shift: mx.array) -> mx.array:
+    """`shifted_exp` as one fused kernel (this thread's `_Fused`)."""
+    fused = getattr(_per_thread, "fused", None)
+    if fused is None:
+        fused = _per_thread.fused = _Fused()
+    return fused(scores, shift)
 
 
 def on_cpu_path(rows: int) -> bool:
@@ -119,10 +127,13 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
 
 
 def _streams(n: int) -> List[Any]:
-    """n CPU streams: the current default one, then extra ones made once and kept."""
-    while len(_extra_streams) < n - 1:
-        _extra_streams.append(mx.new_stream(mx.cpu))
-    return [mx.default_stream(mx.cpu)] + _extra_streams[: n - 1]
+    """n CPU streams: the current default one, then extra ones this thread made once and keeps."""
+    extra = getattr(_per_thread, "streams", None)
+    if extra is None:
+        extra = _per_thread.streams = []
+    while len(extra) < n - 1:
+        extra.append(mx.new_stream(mx.cpu))
+    return [mx.default_stream(mx.cpu)] + extra[: n - 1]
 
 
 def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
