@@ -28,8 +28,9 @@ MAX_ROWS = 64
 ENABLED = True
 # CPU streams the KV heads are shared out among: one per core this process may run on.
 WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-# MLX's streams belong to the thread that made them, and a compiled function's trace to its streams: each thread
-# (a server's worker, a caller's) keeps its own extra streams and fused kernel.
+# MLX's streams belong to a thread (a server prepares its target on one thread and decodes on another): the extra
+# streams are thread-local ones, and each thread keeps its own fused kernel (a trace holds its streams).
+_extra_streams: List[Any] = []
 _per_thread = threading.local()
 
 _LOG2E = 1.4426950408889634
@@ -127,13 +128,11 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
 
 
 def _streams(n: int) -> List[Any]:
-    """n CPU streams: the current default one, then extra ones this thread made once and keeps."""
-    extra = getattr(_per_thread, "streams", None)
-    if extra is None:
-        extra = _per_thread.streams = []
-    while len(extra) < n - 1:
-        extra.append(mx.new_stream(mx.cpu))
-    return [mx.default_stream(mx.cpu)] + extra[: n - 1]
+    """n CPU streams: the current default one, then extra ones (thread-local, as mlx-lm's `generation_stream`:
+    each thread that uses one gets its own), made once."""
+    while len(_extra_streams) < n - 1:
+        _extra_streams.append(mx.new_thread_local_stream(mx.cpu))
+    return [mx.default_stream(mx.cpu)] + _extra_streams[: n - 1]
 
 
 def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
