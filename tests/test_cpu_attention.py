@@ -113,26 +113,10 @@ def test_a_lone_chain_takes_the_restated_attention_only_when_short():
     assert not Chain(mx.zeros((1, attn_mod.MAX_ROWS + 1), dtype=mx.int32), None).split_alone
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_heads_shared_out_among_streams_give_the_same_result_bit_for_bit(monkeypatch, workers):
-    mx.random.seed(9)
-    heads, kv_heads, rows, length = 12, 3, 6, 90
-    q = mx.random.normal((1, heads, rows, 16))
-    k, v = mx.random.normal((1, kv_heads, length, 16)), mx.random.normal((1, kv_heads, length, 16))
-    masks = list(_masks(rows, length, heads))
-    monkeypatch.setattr(attn_mod, "WORKERS", 1)
-    alone = [attention(q, k, v, None, 0.25, m) for m in masks]
-    monkeypatch.setattr(attn_mod, "WORKERS", workers)
-    for m, want in zip(masks, alone):
-        assert mx.array_equal(attention(q, k, v, None, 0.25, m), want).item()
-
-
-def test_another_thread_gets_streams_and_kernels_of_its_own(monkeypatch):
-    """A server prepares its target on one thread and decodes on another: MLX's streams (and the fused kernel's
-    trace) belong to the thread that made them."""
+def test_another_thread_gets_a_kernel_of_its_own():
+    """A server prepares its target on one thread and decodes on another."""
     import threading
 
-    monkeypatch.setattr(attn_mod, "WORKERS", 2)
     mx.random.seed(11)
     q, k, v = mx.random.normal((1, 8, 5, 16)), mx.random.normal((1, 2, 40, 16)), mx.random.normal((1, 2, 40, 16))
     here = attention(q, k, v, None, 0.25, "causal")

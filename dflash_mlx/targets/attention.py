@@ -14,9 +14,8 @@ differs from one row. A quantized KV cache, attention sinks and any other device
 
 from __future__ import annotations
 
-import os
 import threading
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Optional, Set, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
@@ -26,11 +25,8 @@ from mlx_lm.models.base import scaled_dot_product_attention
 MAX_ROWS = 64
 # Whether the CPU path is used at all (benchmarks/row_cost.py turns it off to show MLX's own figures).
 ENABLED = True
-# CPU streams the KV heads are shared out among: one per core this process may run on.
-WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-# MLX's streams belong to a thread (a server prepares its target on one thread and decodes on another): the extra
-# streams are thread-local ones, and each thread keeps its own fused kernel (a trace holds its streams).
-_extra_streams: List[Any] = []
+# A server prepares its target on one thread and decodes on another, and a trace holds the streams it ran on: each
+# thread keeps its own fused kernel.
 _per_thread = threading.local()
 
 _LOG2E = 1.4426950408889634
@@ -105,39 +101,15 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
               mask: Union[None, str, mx.array], sinks: Optional[mx.array] = None) -> mx.array:
     """softmax(scale * q k^T + mask) v for queries [B, H, L, D] and keys, values [B, KV, K, D] (H a multiple of
     KV), as mlx-lm's `scaled_dot_product_attention` takes them; the mask None, "causal" or an array (boolean: True
-    sees; else added to the scores). On the CPU path the KV heads are shared out among `WORKERS` streams (MLX runs
-    each CPU stream on a thread of its own; a head's attention does not depend on another's, so the result is the
-    same bit for bit)."""
+    sees; else added to the scores)."""
     if not uses_own(queries, cache, sinks):
         return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    heads, kv_heads = queries.shape[1], keys.shape[1]
-    parts = min(WORKERS, kv_heads)
-    if parts < 2:
-        return _attend(queries, keys, values, scale, mask)
-    group = heads // kv_heads
-    bounds = [kv_heads * i // parts for i in range(parts + 1)]
-    if isinstance(mask, mx.array):
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B, H or 1, L, K]
-    outs = []
-    for stream, lo, hi in zip(_streams(parts), bounds[:-1], bounds[1:]):
-        q = queries[:, lo * group: hi * group]
-        m = mask[:, lo * group: hi * group] if isinstance(mask, mx.array) and mask.shape[1] > 1 else mask
-        with mx.stream(stream):
-            outs.append(_attend(q, keys[:, lo:hi], values[:, lo:hi], scale, m))
-    return mx.concatenate(outs, axis=1)
-
-
-def _streams(n: int) -> List[Any]:
-    """n CPU streams: the current default one, then extra ones (thread-local, as mlx-lm's `generation_stream`:
-    each thread that uses one gets its own), made once."""
-    while len(_extra_streams) < n - 1:
-        _extra_streams.append(mx.new_thread_local_stream(mx.cpu))
-    return [mx.default_stream(mx.cpu)] + _extra_streams[: n - 1]
+    return _attend(queries, keys, values, scale, mask)
 
 
 def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
             mask: Union[None, str, mx.array]) -> mx.array:
-    """`attention`'s CPU path on one share of the heads."""
+    """`attention`'s CPU path."""
     b, heads, rows, dim = queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
