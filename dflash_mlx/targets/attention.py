@@ -136,7 +136,7 @@ def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 def warm_up(target) -> None:
     """Run the CPU path once on tiny inputs shaped like `target`'s attention (a decode step, a causal block, a
     tree's boolean mask), so that MLX builds its fused kernels now: the first build of each runs a C++ compiler for
-    about a second (MLX keeps them on disk after), which would otherwise land in a timed pass and skew the
+    under a second (MLX keeps them on disk after), which would otherwise land in a timed pass and skew the
     planner's measured cost of that width."""
     if not on_cpu_path(2):
         return
