@@ -104,12 +104,6 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
     sees; else added to the scores)."""
     if not uses_own(queries, cache, sinks):
         return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    return _attend(queries, keys, values, scale, mask)
-
-
-def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-            mask: Union[None, str, mx.array]) -> mx.array:
-    """`attention`'s CPU path."""
     b, heads, rows, dim = queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
