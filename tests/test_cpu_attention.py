@@ -1,6 +1,8 @@
-"""The layer walk's attention on MLX's CPU backend (`targets/attention.py`) against MLX's own
-`mx.fast.scaled_dot_product_attention`: every mask form, grouped-query heads, row counts, dtypes; its fused
-exponent; what it hands to mlx-lm; and that the walk routes a lone chain through it only on the CPU path."""
+"""The layer walk's attention on MLX's CPU backend (`targets/attention.py`: float32 on the host through NumPy,
+`targets/host_attention.py`, else the fused exponent) against MLX's own `mx.fast.scaled_dot_product_attention`:
+every mask form, grouped-query heads, row counts, batches, dtypes, both float32 paths; the fused exponent; the
+host path inside `mx.compile`; what it hands to mlx-lm; and that the walk routes a lone chain through it only on
+the CPU path."""
 
 from __future__ import annotations
 
@@ -23,13 +25,21 @@ def _masks(rows: int, length: int, heads: int):
     yield mx.random.normal((1, 1, rows, length))
 
 
+@pytest.fixture(params=["host", "fused"])
+def path(request, monkeypatch):
+    """Float32 attention on the host through NumPy, or through MLX with the fused exponent."""
+    monkeypatch.setattr(attn_mod, "HOST", request.param == "host")
+    return request.param
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(14, 2), (4, 4), (8, 1)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 64])
-def test_matches_mlx_attention_in_float32(heads, kv_heads, rows):
+def test_matches_mlx_attention_in_float32(heads, kv_heads, rows, path):
     mx.random.seed(rows * 100 + heads)
     for length in (rows, rows + 37, 700):
-        q = mx.random.normal((1, heads, rows, 32))
-        k, v = mx.random.normal((1, kv_heads, length, 32)), mx.random.normal((1, kv_heads, length, 32))
+        batch = 2 if rows == 5 else 1
+        q = mx.random.normal((batch, heads, rows, 32))
+        k, v = mx.random.normal((batch, kv_heads, length, 32)), mx.random.normal((batch, kv_heads, length, 32))
         for mask in _masks(rows, length, heads):
             ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
             out = attention(q, k, v, None, 0.3, mask)
@@ -50,7 +60,7 @@ def test_matches_mlx_attention_in_half_precision(dtype):
         assert mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item() < tol
 
 
-def test_masked_keys_weigh_exactly_nothing():
+def test_masked_keys_weigh_exactly_nothing(path):
     """A masked key's value, however large, leaves no trace (the exponent of -inf is exactly 0)."""
     mx.random.seed(5)
     q, k = mx.random.normal((1, 4, 3, 16)), mx.random.normal((1, 4, 50, 16))
@@ -61,6 +71,37 @@ def test_masked_keys_weigh_exactly_nothing():
     loud = mx.where(hidden, 1e30, v)
     base, noisy = attention(q, k, v, None, 0.25, mask), attention(q, k, loud, None, 0.25, mask)
     assert mx.array_equal(base, noisy).item()
+
+
+def test_keys_viewed_in_a_larger_buffer_and_a_half_precision_additive_mask():
+    """A cache's keys are a view of its buffer (the first `offset` positions); an additive mask may be bfloat16."""
+    mx.random.seed(9)
+    q = mx.random.normal((1, 6, 4, 16))
+    buffer_k, buffer_v = mx.random.normal((1, 3, 256, 16)), mx.random.normal((1, 3, 256, 16))
+    k, v = buffer_k[:, :, :90], buffer_v[:, :, :90]
+    mask = mx.random.normal((1, 1, 4, 90)).astype(mx.bfloat16)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask.astype(mx.float32))
+    out = attention(q, k, v, None, 0.5, mask)
+    assert out.dtype == mx.float32
+    assert (mx.abs(out - ref).max() / mx.abs(ref).max()).item() < 5e-6
+
+
+def test_host_path_inside_compile_computes_in_mlx():
+    """Nothing may be evaluated inside `mx.compile`: there the host path steps aside and MLX computes it."""
+    from dflash_mlx.targets import host_attention
+
+    mx.random.seed(13)
+    q, k, v = mx.random.normal((1, 4, 3, 16)), mx.random.normal((1, 2, 30, 16)), mx.random.normal((1, 2, 30, 16))
+    calls = []
+
+    def traced(q, k, v):
+        calls.append(host_attention.attention(q, k, v, 0.25, "causal"))
+        return attention(q, k, v, None, 0.25, "causal")
+
+    out = mx.compile(traced)(q, k, v)
+    assert calls == [None]
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert (mx.abs(out - ref).max() / mx.abs(ref).max()).item() < 5e-6
 
 
 def test_fused_exponent_is_within_a_few_ulps_and_zero_below_range():
@@ -113,7 +154,7 @@ def test_a_lone_chain_takes_the_restated_attention_only_when_short():
     assert not Chain(mx.zeros((1, attn_mod.MAX_ROWS + 1), dtype=mx.int32), None).split_alone
 
 
-def test_another_thread_gets_a_kernel_of_its_own():
+def test_another_thread_gets_a_kernel_of_its_own(path):
     """A server prepares its target on one thread and decodes on another."""
     import threading
 

@@ -20,11 +20,15 @@ from typing import Any, Callable, Optional, Set, Tuple, Union
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from . import host_attention
+
 # Query rows up to which the CPU path runs (a verify block, a tree, a decode step); longer chunks are prefill,
 # where the scores matrix is large and MLX's own call is kept.
 MAX_ROWS = 64
 # Whether the CPU path is used at all (benchmarks/row_cost.py turns it off to show MLX's own figures).
 ENABLED = True
+# Whether its float32 passes attend on the host through NumPy (`host_attention`); else all run the fused exponent.
+HOST = True
 # A server prepares its target on one thread and decodes on another, and a trace holds the streams it ran on: each
 # thread keeps its own fused kernel.
 _per_thread = threading.local()
@@ -104,6 +108,10 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
     sees; else added to the scores)."""
     if not uses_own(queries, cache, sinks):
         return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    if HOST and queries.dtype == keys.dtype == values.dtype == mx.float32:
+        out = host_attention.attention(queries, keys, values, scale, mask)
+        if out is not None:  # (None: inside mx.compile / mx.vmap)
+            return out
     b, heads, rows, dim = queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
