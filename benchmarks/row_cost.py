@@ -11,7 +11,8 @@ tree: node i the child of node (i-1)//2) over the long cache, and the seconds ea
 the widest row count, one attention layer's parts as MLX runs them on this device: the scores (q k^T), the softmax
 (and its `exp` alone, against NumPy's `exp` on the same numbers), and the weighted sum of values. The passes run
 the engine's attention, which on MLX's CPU backend computes the softmax's exponent as a fused polynomial
-(`dflash_mlx.targets.attention`); `--mlx-attention` times them with MLX's own attention instead.
+(`dflash_mlx.targets.attention`; float32 passes attend on the host through NumPy); `--mlx-attention` times them
+with MLX's own attention instead, `--no-host-attention` with the fused exponent for float32 too.
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--mlx-attention", action="store_true",
                         help="time the passes with MLX's own attention, not the engine's CPU path")
+    parser.add_argument("--no-host-attention", action="store_true",
+                        help="the engine's CPU path without its NumPy attention (float32 through the fused exponent)")
     args = parser.parse_args(argv)
     from dflash_mlx.targets import attention
 
     attention.ENABLED = not args.mlx_attention
+    attention.HOST = not args.no_host_attention
     rows = [int(r) for r in args.rows.split(",")]
 
     from dflash_mlx import load
@@ -67,7 +71,8 @@ def main(argv=None) -> int:
     model, _, drafter = load(args.model)
     target = prepare(model, drafter)
     print(f"{args.model}: one target pass by rows (best of {args.reps}), "
-          f"{'MLX' if args.mlx_attention else 'the engine'}'s attention")
+          f"{'MLX' if args.mlx_attention else 'the engine'}'s attention"
+          f"{' without the host path' if args.no_host_attention and not args.mlx_attention else ''}")
     print(f"{'rows':>5} {'empty cache (s)':>16} {f'{args.context} cached (s)':>18} {'as a tree (s)':>18}")
     timed = {}
     for n in rows:

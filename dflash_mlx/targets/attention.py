@@ -9,7 +9,10 @@ attention with the exponent as a Cody-Waite reduction and a degree-7 polynomial 
 elementwise kernel: about 3x cheaper than MLX's `exp`, within a few float32 ulps of it, and exactly 0 for masked
 scores. Everything else is MLX's fallback restated (scale, grouped-query heads, the bottom-right causal mask, the
 softmax in float32): a verify pass differs from MLX's own attention by rounding only, as a batch of rows already
-differs from one row. A quantized KV cache, attention sinks and any other device go to mlx-lm's call.
+differs from one row. Float32 passes go further: once evaluated they attend on the host through NumPy
+(`host_attention`: SIMD `exp`, the softmax in place), which halves a verified row's cost again; the fused exponent
+remains for half precision (NumPy has no bfloat16) and inside `mx.compile`. A quantized KV cache, attention sinks
+and any other device go to mlx-lm's call.
 """
 
 from __future__ import annotations
