@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx.targets import attention as attn_mod
+from dflash_mlx.targets import host_attention
 from dflash_mlx.targets.attention import attention, shifted_exp, uses_own
 
 
@@ -27,8 +28,10 @@ def _masks(rows: int, length: int, heads: int):
 
 @pytest.fixture(params=["host", "fused"])
 def path(request, monkeypatch):
-    """Float32 attention on the host through NumPy, or through MLX with the fused exponent."""
+    """Float32 attention on the host through NumPy (here over caches of any length), or through MLX with the fused
+    exponent."""
     monkeypatch.setattr(attn_mod, "HOST", request.param == "host")
+    monkeypatch.setattr(host_attention, "MIN_CACHE", 0)
     return request.param
 
 
@@ -73,7 +76,7 @@ def test_masked_keys_weigh_exactly_nothing(path):
     assert mx.array_equal(base, noisy).item()
 
 
-def test_keys_viewed_in_a_larger_buffer_and_a_half_precision_additive_mask():
+def test_keys_viewed_in_a_larger_buffer_and_a_half_precision_additive_mask(path):
     """A cache's keys are a view of its buffer (the first `offset` positions); an additive mask may be bfloat16."""
     mx.random.seed(9)
     q = mx.random.normal((1, 6, 4, 16))
@@ -86,10 +89,48 @@ def test_keys_viewed_in_a_larger_buffer_and_a_half_precision_additive_mask():
     assert (mx.abs(out - ref).max() / mx.abs(ref).max()).item() < 5e-6
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,past", [(4, 2, 16, 30), (14, 2, 64, 300), (8, 8, 32, 1000)])
+def test_host_rows_do_not_depend_on_the_pass_they_are_in(heads, kv_heads, dim, past, monkeypatch):
+    """A verify pass of W rows that commits k tokens must leave what a pass of those k tokens would: on the host
+    path a row's output is bit for bit the same whatever rows follow it, under the causal mask and under a tree's
+    boolean mask that hides other branches' keys (rollback exactness rests on it)."""
+    monkeypatch.setattr(host_attention, "MIN_CACHE", 0)
+    mx.random.seed(past + heads)
+    q = mx.random.normal((1, heads, 16, dim))
+    k, v = mx.random.normal((1, kv_heads, past + 16, dim)), mx.random.normal((1, kv_heads, past + 16, dim))
+    full = {w: attention(q[:, :, :w], k[:, :, : past + w], v[:, :, : past + w], None, 0.3, "causal")
+            for w in (1, 2, 3, 5, 16)}
+    for w, out in full.items():
+        for shorter in (x for x in full if x < w):
+            assert mx.array_equal(out[:, :, :shorter], full[shorter]).item(), (w, shorter)
+    # A tree: node 1 a sibling of node 0's child 2; the chain 0 -> 2 -> 3 sees what the tree's path sees.
+    sees = np.ones((4, past + 4), dtype=bool)
+    sees[:, past:] = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)
+    tk = mx.concatenate([k[:, :, :past], k[:, :, past + 4 : past + 8]], axis=2)
+    tv = mx.concatenate([v[:, :, :past], v[:, :, past + 4 : past + 8]], axis=2)
+    tree = attention(q[:, :, 4:8], tk, tv, None, 0.3, mx.array(sees))
+    path = [0, 2, 3]
+    ck = mx.concatenate([k[:, :, :past], tk[:, :, [past + i for i in path]]], axis=2)
+    cv = mx.concatenate([v[:, :, :past], tv[:, :, [past + i for i in path]]], axis=2)
+    chain = attention(q[:, :, [4 + i for i in path]], ck, cv, None, 0.3, "causal")
+    assert mx.array_equal(tree[:, :, path], chain).item()
+
+
+def test_float32_passes_over_a_long_cache_go_to_the_host(monkeypatch):
+    """The host path where it pays: float32, at least `MIN_CACHE` cached tokens; the fused exponent elsewhere."""
+    calls = []
+    real = host_attention.attention
+    monkeypatch.setattr(host_attention, "attention", lambda *a: calls.append(a[1].shape[2]) or real(*a))
+    n = host_attention.MIN_CACHE
+    for length, dtype in ((n + 4, mx.float32), (n + 3, mx.float32), (n + 4, mx.bfloat16)):
+        q = mx.zeros((1, 4, 4, 16), dtype=dtype)
+        kv = mx.zeros((1, 2, length, 16), dtype=dtype)
+        mx.eval(attention(q, kv, kv, None, 0.25, "causal"))
+    assert calls == [n + 4]
+
+
 def test_host_path_inside_compile_computes_in_mlx():
     """Nothing may be evaluated inside `mx.compile`: there the host path steps aside and MLX computes it."""
-    from dflash_mlx.targets import host_attention
-
     mx.random.seed(13)
     q, k, v = mx.random.normal((1, 4, 3, 16)), mx.random.normal((1, 2, 30, 16)), mx.random.normal((1, 2, 30, 16))
     calls = []

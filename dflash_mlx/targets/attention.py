@@ -9,9 +9,10 @@ attention with the exponent as a Cody-Waite reduction and a degree-7 polynomial 
 elementwise kernel: about 3x cheaper than MLX's `exp`, within a few float32 ulps of it, and exactly 0 for masked
 scores. Everything else is MLX's fallback restated (scale, grouped-query heads, the bottom-right causal mask, the
 softmax in float32): a verify pass differs from MLX's own attention by rounding only, as a batch of rows already
-differs from one row. Float32 passes go further: once evaluated they attend on the host through NumPy
-(`host_attention`: SIMD `exp`, the softmax in place), which halves a verified row's cost again; the fused exponent
-remains for half precision (NumPy has no bfloat16) and inside `mx.compile`. A quantized KV cache, attention sinks
+differs from one row. Float32 passes over a long cache go further: once evaluated they attend on the host
+through NumPy (`host_attention`: SIMD `exp`, the softmax in place), which halves a verified row's cost again; the
+fused exponent remains for short caches (where the host path saves nothing), half precision (NumPy has no
+bfloat16) and inside `mx.compile`. A quantized KV cache, attention sinks
 and any other device go to mlx-lm's call.
 """
 
@@ -111,7 +112,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
     sees; else added to the scores)."""
     if not uses_own(queries, cache, sinks):
         return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    if HOST and queries.dtype == keys.dtype == values.dtype == mx.float32:
+    if (HOST and queries.dtype == keys.dtype == values.dtype == mx.float32
+            and keys.shape[2] - queries.shape[2] >= host_attention.MIN_CACHE):
         out = host_attention.attention(queries, keys, values, scale, mask)
         if out is not None:  # (None: inside mx.compile / mx.vmap)
             return out
