@@ -5,7 +5,8 @@ are all visible, or causal in the block; a sliding layer sees context keys over 
 (position > row position - window). The reference concatenates and masks as the drafter always did and calls
 `mx.fast.scaled_dot_product_attention`; the kernel (`block_attention.metal`) reads the context in place (no
 concat, no mask array), shares each K/V read among the GQA heads of a group, and splits long contexts into
-chunks (partials, then a merge).
+chunks (partials, then a merge). On MLX's CPU backend a long float32 context is attended on the host through
+NumPy instead (`block_attention_host`: MLX's CPU softmax runs its `exp` an element at a time).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .kernel_file import kernels_on, load_kernel_file
 
@@ -30,6 +32,10 @@ DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # chunks per KV head, enough threadgroups to fill a large GPU. Not yet tuned on Apple hardware.
 MIN_CHUNK = 512
 MAX_CHUNKS = 64
+# Context keys from which MLX's CPU backend hands float32 block attention to the host (`block_attention_host`):
+# below, the evaluation and the copy back cost what NumPy's faster softmax saves (as for the target's passes,
+# dflash_mlx.targets.host_attention.MIN_CACHE).
+HOST_MIN_CONTEXT = 1024
 
 
 def sliding_window(window: Optional[int]) -> Optional[int]:
@@ -140,12 +146,65 @@ def kernel_supports(q: mx.array, k: mx.array, ctx_k: mx.array) -> bool:
     )
 
 
+def host_supports(q: mx.array, k: mx.array, ctx_k: mx.array) -> bool:
+    """Where `block_attention_host` pays: MLX's CPU backend, float32, a context of `HOST_MIN_CONTEXT` keys or more."""
+    return (mx.default_device() == mx.cpu and q.dtype == k.dtype == ctx_k.dtype == mx.float32 and q.shape[0] == 1
+            and ctx_k.shape[2] >= HOST_MIN_CONTEXT)
+
+
+def block_attention_host(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.array, ctx_v: mx.array, *,
+                         scale: float, window: Optional[int] = None, causal: bool = False,
+                         n_ctx: Optional[int] = None, sinks: Optional[mx.array] = None) -> Optional[mx.array]:
+    """The reference's attention in float32 on the host through NumPy (MLX's CPU backend: BLAS products, a SIMD
+    `exp`, no concatenated copy of the context); None inside `mx.compile` / `mx.vmap` (nothing may be evaluated
+    there). Only drafts depend on it, so no rounding rule binds it beyond the reference's tolerance."""
+    try:
+        mx.eval(q, k, v, ctx_k, ctx_v, *([] if sinks is None else [sinks]))
+    except ValueError:
+        return None
+    _, Hq, B, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    window = sliding_window(window)
+    n_ctx = ctx_k.shape[2] if n_ctx is None else n_ctx
+    first = max(n_ctx - (window - 1), 0) if window is not None else 0
+    queries = np.asarray(q)[0].reshape(Hkv, group * B, D) * np.float32(scale)
+    ck, cv = np.asarray(ctx_k)[0, :, first:n_ctx], np.asarray(ctx_v)[0, :, first:n_ctx]
+    seen = np.matmul(queries, ck.swapaxes(-1, -2)).reshape(Hkv, group, B, n_ctx - first)
+    own = np.matmul(queries, np.asarray(k)[0].swapaxes(-1, -2)).reshape(Hkv, group, B, B)
+    slot = np.arange(B)[:, None]
+    if window is not None:  # slot i (position n_ctx + i) sees context positions above n_ctx + i - window
+        np.copyto(seen, -np.inf, where=first + np.arange(n_ctx - first)[None] <= n_ctx + slot - window)
+    if causal:
+        np.copyto(own, -np.inf, where=np.arange(B)[None] > slot)
+    top = np.maximum(seen.max(axis=-1, keepdims=True, initial=-np.inf), own.max(axis=-1, keepdims=True))
+    if sinks is not None:
+        sink = np.asarray(sinks.astype(mx.float32)).reshape(Hkv, group, 1, 1)
+        top = np.maximum(top, sink)
+    seen -= top
+    own -= top
+    np.exp(seen, out=seen)
+    np.exp(own, out=own)
+    total = seen.sum(axis=-1, keepdims=True) + own.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sink - top)
+    out = (np.matmul(seen.reshape(Hkv, group * B, -1), cv) + np.matmul(own.reshape(Hkv, group * B, B),
+                                                                        np.asarray(v)[0]))
+    out = out.reshape(Hkv, group, B, D) / total
+    return mx.array(out.reshape(1, Hq, B, D))
+
+
 def block_attention(q: mx.array, k: mx.array, v: mx.array, ctx_k: mx.array, ctx_v: mx.array, *,
                     scale: float, window: Optional[int] = None, causal: bool = False,
                     sinks: Optional[mx.array] = None) -> mx.array:
-    """The dispatcher: the kernel where Metal kernels are on and the shape is supported, else the reference
-    (always with attention `sinks`, which the kernel does not take)."""
+    """The dispatcher: the kernel where Metal kernels are on and the shape is supported (never with attention
+    `sinks`, which the kernel does not take); on MLX's CPU backend over a long float32 context the host's
+    computation; else the reference."""
     if sinks is None and kernels_on() and kernel_supports(q, k, ctx_k):
         return block_attention_metal(q, k, v, ctx_k, ctx_v, scale=scale, window=window, causal=causal)
+    if host_supports(q, k, ctx_k):
+        out = block_attention_host(q, k, v, ctx_k, ctx_v, scale=scale, window=window, causal=causal, sinks=sinks)
+        if out is not None:
+            return out
     return block_attention_reference(q, k, v, ctx_k, ctx_v, scale=scale, window=window, causal=causal,
                                      sinks=sinks)

@@ -65,6 +65,41 @@ def test_reference_is_the_drafter_mask(case):
     np.testing.assert_allclose(np.array(out), _direct(q, k, v, ck, cv, D**-0.5, window, causal), atol=2e-5)
 
 
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_host_is_the_drafter_mask(case):
+    """The CPU backend's host computation (NumPy) against the float64 one; a poisoned tail beyond n_ctx unread."""
+    Hq, Hkv, B, D, n_ctx, window, causal, _ = case
+    q, k, v, ck, cv = _inputs(Hq, Hkv, B, D, n_ctx, mx.float32)
+    out = ba.block_attention_host(q, k, v, ck, cv, scale=D**-0.5, window=window, causal=causal)
+    np.testing.assert_allclose(np.array(out), _direct(q, k, v, ck, cv, D**-0.5, window, causal), atol=2e-5)
+    poisoned = [mx.concatenate([c, mx.full((1, Hkv, 3, D), float("nan"))], axis=2) for c in (ck, cv)]
+    again = ba.block_attention_host(q, k, v, *poisoned, scale=D**-0.5, window=window, causal=causal, n_ctx=n_ctx)
+    assert mx.array_equal(out, again).item()
+
+
+def test_host_takes_attention_sinks_as_the_reference_does():
+    q, k, v, ck, cv = _inputs(4, 2, 5, 64, 30, mx.float32, seed=4)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0])
+    ref = ba.block_attention_reference(q, k, v, ck, cv, scale=0.125, window=9, causal=True, sinks=sinks)
+    out = ba.block_attention_host(q, k, v, ck, cv, scale=0.125, window=9, causal=True, sinks=sinks)
+    assert mx.abs(out - ref).max().item() < 2e-5
+
+
+def test_dispatcher_takes_the_host_for_long_float32_contexts_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_NO_METAL", "1")
+    calls = []
+    real = ba.block_attention_host
+    monkeypatch.setattr(ba, "block_attention_host", lambda *a, **kw: calls.append(a[3].shape[2]) or real(*a, **kw))
+    n = ba.HOST_MIN_CONTEXT
+    for n_ctx, dtype in ((n, mx.float32), (n - 1, mx.float32), (n, mx.bfloat16)):
+        q, k, v, ck, cv = _inputs(4, 2, 3, 64, n_ctx, dtype)
+        out = ba.block_attention(q, k, v, ck, cv, scale=0.125, window=None, causal=True)
+        if dtype == mx.float32:
+            ref = ba.block_attention_reference(q, k, v, ck, cv, scale=0.125, window=None, causal=True)
+            assert mx.abs(out - ref).max().item() < 2e-5
+    assert calls == [n]
+
+
 def test_reference_reads_only_the_valid_context():
     q, k, v, ck, cv = _inputs(2, 1, 4, 64, 10, mx.float32)
     poisoned_k = mx.concatenate([ck, mx.full((1, 1, 3, 64), float("nan"))], axis=2)
