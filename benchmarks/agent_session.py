@@ -7,8 +7,10 @@ cached tokens, time to first token, decode tok/s, tau per draft source, and whet
 A session is a folder of requests as `tests/agents/recorder.py` writes them (NNN_POST_v1_responses.json,
 NNN_POST_v1_messages.json, ...), recorded while a real client worked against the server. Each is sent again in
 order, exactly as recorded (its history holds the replies of the recorded run, so both runs see the same
-prompts); other routes (model lists, token counts, HEAD) are skipped. Both servers start cold (empty prefix cache)
-and then keep their cache across the session's requests, as a server does for an agent. Greedy, as the agents
+prompts); other routes (model lists, token counts, HEAD) are skipped. Both servers run at once on the one loaded
+model and each request goes to both before the next (first to each in turn), so drift of the machine's speed
+during the run weighs on both alike. Both start cold (empty prefix cache) and then keep their cache and planner
+memory across the session's requests, as a server does for an agent. Greedy, as the agents
 ask (no temperature). Figures come from each reply's `dflash` field (the server's own timings).
 """
 
@@ -77,24 +79,36 @@ def reply_of(path: str, text: str) -> Dict[str, Any]:
     return {"output": output, "stats": stats}
 
 
-def replay(base: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    results = []
+def send(client: httpx.Client, base: str, record: Dict[str, Any]) -> Dict[str, Any]:
+    """One recorded request, streamed, to the server at `base`: its reply, the server's stats and the wall time."""
+    body = dict(record["body"], stream=True)
+    query = f"?{record['query']}" if record.get("query") else ""
+    tic = time.perf_counter()
+    reply = client.post(base + record["path"] + query, json=body, headers=record.get("headers") or {})
+    wall = time.perf_counter() - tic
+    if reply.status_code != 200:
+        raise SystemExit(f"{record['path']} answered {reply.status_code}: {reply.text[:300]}")
+    result = reply_of(record["path"], reply.text)
+    result["wall_s"] = wall
+    return result
+
+
+def replay(bases: Dict[str, str], records: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+    """The session's requests in order to every server, request by request: each request goes to all of them
+    before the next one, first to each in turn, so that a machine that slows down or speeds up during the run
+    weighs on every server alike (each server still sees the session in order, its prefix cache and planner
+    memory carried from one request to the next)."""
+    names = list(bases)
+    results: Dict[str, List[Dict[str, Any]]] = {name: [] for name in names}
     with httpx.Client(timeout=httpx.Timeout(None)) as client:
-        for record in records:
-            body = dict(record["body"], stream=True)
-            query = f"?{record['query']}" if record.get("query") else ""
-            tic = time.perf_counter()
-            reply = client.post(base + record["path"] + query, json=body, headers=record.get("headers") or {})
-            wall = time.perf_counter() - tic
-            if reply.status_code != 200:
-                raise SystemExit(f"{record['path']} answered {reply.status_code}: {reply.text[:300]}")
-            result = reply_of(record["path"], reply.text)
-            result["wall_s"] = wall
-            results.append(result)
-            s = result["stats"]
-            print(f"  request {len(results)}: {s.get('prompt_tokens', '?')} prompt, {s.get('cached_tokens', 0)} "
-                  f"cached, ttft {s.get('time_to_first_token_s', 0):.2f} s, {s.get('generation_tps', 0):.2f} tok/s",
-                  file=sys.stderr, flush=True)
+        for i, record in enumerate(records):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                result = send(client, bases[name], record)
+                results[name].append(result)
+                s = result["stats"]
+                print(f"  {name} request {i + 1}: {s.get('prompt_tokens', '?')} prompt, "
+                      f"{s.get('cached_tokens', 0)} cached, ttft {s.get('time_to_first_token_s', 0):.2f} s, "
+                      f"{s.get('generation_tps', 0):.2f} tok/s", file=sys.stderr, flush=True)
     return results
 
 
@@ -177,13 +191,13 @@ def main(argv=None) -> int:
     from dflash_mlx import load
 
     model, tokenizer, drafter = load(args.model, args.draft)
-    runs = {}
-    for name, plain in (("defaults", False), ("plain", True)):
-        print(f"{name}: {len(records)} requests", file=sys.stderr, flush=True)
-        running = serve(model, tokenizer, drafter, plain, args.max_tokens, trees, args.prompt_cache_dir)
-        try:
-            runs[name] = replay(running.base, records)
-        finally:
+    servers = {name: serve(model, tokenizer, drafter, plain, args.max_tokens, trees, args.prompt_cache_dir)
+               for name, plain in (("defaults", False), ("plain", True))}
+    print(f"{len(records)} requests, each to both servers in turn", file=sys.stderr, flush=True)
+    try:
+        runs = replay({name: running.base for name, running in servers.items()}, records)
+    finally:
+        for running in servers.values():
             running.stop()
     table = report(records, runs["defaults"], runs["plain"])
     print(table)
