@@ -95,16 +95,6 @@ def uses_own(queries: mx.array, cache: Any = None, sinks: Optional[mx.array] = N
     return on_cpu_path(queries.shape[2]) and sinks is None and not hasattr(cache, "bits")
 
 
-def _grouped_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
-    """An array mask broadcastable to [B, heads, L, K] as one broadcastable to the grouped scores
-    [B, kv_heads, heads // kv_heads, L, K]."""
-    while mask.ndim < 4:
-        mask = mask[None]
-    if mask.shape[1] == 1:
-        return mask[:, :, None]
-    return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:])
-
-
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
               mask: Union[None, str, mx.array], sinks: Optional[mx.array] = None) -> mx.array:
     """softmax(scale * q k^T + mask) v for queries [B, H, L, D] and keys, values [B, KV, K, D] (H a multiple of
@@ -130,7 +120,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
         seen = mx.arange(first, first + rows)[:, None] >= mx.arange(length)[None]
         scores = mx.where(seen, scores, -mx.inf)
     elif mask is not None:
-        grouped = _grouped_mask(mask, heads, kv_heads)
+        grouped = host_attention.grouped_mask(mask, heads, kv_heads)
         scores = mx.where(grouped, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + grouped
     top = mx.max(scores, axis=-1, keepdims=True).astype(mx.float32)
     weights = fused_exp(scores, top)  # float32, as MLX's precise softmax

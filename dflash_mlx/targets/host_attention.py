@@ -45,8 +45,9 @@ MIN_CACHE = 1024
 MIN_ROWS = 16
 
 
-def _grouped(mask: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
-    """A mask broadcastable to [B, H, L, K] as one broadcastable to the grouped scores [B, KV, H / KV, L, K]."""
+def grouped_mask(mask, heads: int, kv_heads: int):
+    """A mask broadcastable to [B, H, L, K] as one broadcastable to the grouped scores [B, KV, H / KV, L, K] (an MLX
+    or a NumPy array)."""
     while mask.ndim < 4:
         mask = mask[None]
     if mask.shape[1] == 1:
@@ -88,7 +89,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     k, v = np.asarray(keys)[:, :, None], np.asarray(values)[:, :, None]  # [B, KV, 1, K, D]
     host = None
     if isinstance(mask, mx.array):
-        host = _grouped(np.asarray(mask), heads, kv_heads)
+        host = grouped_mask(np.asarray(mask), heads, kv_heads)
         host = np.broadcast_to(host, host.shape[:-1] + (length,))
 
     # The pass's own keys, element by element: [B, KV, G, L, L].
