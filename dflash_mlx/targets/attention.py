@@ -12,8 +12,7 @@ softmax in float32): a verify pass differs from MLX's own attention by rounding 
 differs from one row. Float32 passes over a long cache go further: once evaluated they attend on the host
 through NumPy (`host_attention`: SIMD `exp`, the softmax in place), which halves a verified row's cost again; the
 fused exponent remains for short caches (where the host path saves nothing), half precision (NumPy has no
-bfloat16) and inside `mx.compile`. A quantized KV cache, attention sinks
-and any other device go to mlx-lm's call.
+bfloat16) and inside `mx.compile`. A quantized KV cache, attention sinks and any other device go to mlx-lm's call.
 """
 
 from __future__ import annotations
