@@ -41,6 +41,7 @@ INIT_LR=${INIT_LR:-3e-4}             # peak learning rate of a continued run's n
 export DFLASH_MLX_NO_BLAS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
+SELF=$HERE/benchmarks/$(basename "$0")  # absolute: the background job starts after the cd below
 
 stamp() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -149,7 +150,7 @@ case "${1:-}" in
     receive)
         receive "$2"
         if [ "${3:-}" = --prepare ]; then
-            setsid nohup bash "$0" prepare >"$WORK/prepare.log" 2>&1 </dev/null &
+            setsid nohup bash "$SELF" prepare >"$WORK/prepare.log" 2>&1 </dev/null &
             stamp "preparing in the background (log: $WORK/prepare.log)"
         fi
         [ -f "$WORK/prepare.log" ] && tail -n 3 "$WORK/prepare.log" ;;
@@ -161,5 +162,5 @@ case "${1:-}" in
         receive "$2"
         set -o pipefail
         main_job "$t0" 2>&1 | tee "$OUT/job.log" ;;
-    *) sed -n '2,21p' "$0"; exit 2 ;;
+    *) sed -n '2,21p' "$SELF"; exit 2 ;;
 esac

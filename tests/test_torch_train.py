@@ -253,9 +253,30 @@ def test_until_fills_the_time_left_and_stops_by_it(tmp_path, capsys):
     assert main(common + ["--out", str(tmp_path / "run"), "--until", str(until)]) == 0
     assert time.time() < until + 1  # the last step, its evaluation and the save fit before T
     planned = int(re.search(r"-> (\d+) steps", capsys.readouterr().out).group(1))
-    last = json.loads((tmp_path / "run/log.jsonl").read_text().splitlines()[-1])
-    assert planned > 10 and planned * 0.5 < last["step"] <= planned  # the schedule was sized to the time, not cut short
+    last = [json.loads(line) for line in (tmp_path / "run/log.jsonl").read_text().splitlines() if '"lr"' in line][-1]
+    assert planned > 10 and planned * 0.5 < last["step"]  # the schedule was sized to the time, not cut short
+    assert last["lr"] < 0.55 * 6e-4  # ... and re-planned as it went: the run ended in the cosine's second half
     assert (tmp_path / "run/model.safetensors").is_file()
+
+
+def test_replanned_schedule_reaches_its_floor_when_steps_are_slower_than_calibrated():
+    """The second GPU stay calibrated 0.048 s a step and ran at 0.066 s: a fixed step count stopped the cosine at 74%.
+    Re-planning every few steps from the pace so far ends the schedule at the budget's end instead."""
+    from dflash_mlx.torch_train.train import REPLAN_EVERY, lr_at, replan_steps
+
+    budget, calibrated, real, peak = 146.0, 0.048, 0.066, 3e-4
+    steps = int(budget / calibrated)
+    warmup = max(1, round(0.04 * steps))
+    fixed_t = min(1.0, (budget / real - warmup) / (steps - warmup))
+    assert fixed_t < 0.75  # what a fixed plan reaches
+    step, clock = 0, 0.0
+    while step < steps and clock + real <= budget:
+        lr = lr_at(step, steps, peak, 0.1, warmup)
+        step, clock = step + 1, clock + real
+        if step % REPLAN_EVERY == 0:
+            steps = max(replan_steps(step, steps, clock, budget - clock), step + 1)
+    assert step == steps and lr < 0.1 * peak * 1.01  # ended on the plan, at the floor
+    assert replan_steps(5, 100, 1.0, 50.0) == 100  # too few steps to measure a pace: the plan stands
 
 
 def _gpu_drafter():

@@ -89,13 +89,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def lr_at(step: int, steps: int, lr: float, min_ratio: float) -> float:
-    """Linear warmup over 4% of the steps, then cosine from `lr` to `lr * min_ratio` (the MLX trainer's schedule)."""
-    warmup = min(max(1, round(0.04 * steps)), steps - 1)
+def lr_at(step: int, steps: int, lr: float, min_ratio: float, warmup: Optional[int] = None) -> float:
+    """Linear warmup over 4% of the steps (or `warmup`), then cosine from `lr` to `lr * min_ratio` (the MLX
+    trainer's schedule)."""
+    warmup = min(max(1, round(0.04 * steps)) if warmup is None else warmup, steps - 1)
     if step < warmup:
         return lr * (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(steps - warmup, 1))
     return lr * min_ratio + (lr - lr * min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+REPLAN_EVERY = 10  # steps between two re-estimates of a time-filling run's length
+
+
+def replan_steps(done: int, steps: int, spent_s: float, left_s: float) -> int:
+    """A time-filling run's total steps at the pace measured so far: `done` steps took `spent_s` seconds of wall
+    time (evaluations and checkpoints included) and `left_s` remain. The first calibration times a few bare steps,
+    which can be a third too fast on a GPU; without this the schedule stops before its floor."""
+    if done < REPLAN_EVERY or spent_s <= 0:
+        return steps
+    return done + max(1, int(left_s * done / spent_s))
 
 
 class Run:
@@ -128,6 +141,7 @@ class Run:
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=args.lr,
                                            betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.step, self.slots, self.elapsed, self.steps = 0, 0, 0.0, args.steps
+        self.warmup: Optional[int] = None  # fixed once a time-filling run is calibrated (its length is re-planned)
         self.flops = 0.0
 
     # -- setup ------------------------------------------------------------------------------------------------------
@@ -201,7 +215,7 @@ class Run:
     def train_step(self) -> Dict[str, float]:
         a = self.args
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.steps, a.lr, a.min_lr_ratio)
+            group["lr"] = lr_at(self.step, self.steps, a.lr, a.min_lr_ratio, self.warmup)
         self.optimizer.zero_grad(set_to_none=True)
         stats = np.zeros(3)
         for micro in range(a.accum):
@@ -260,7 +274,8 @@ class Run:
         dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
         save_drafter(self.model, a.out, dtype, metadata={"trained_with": "dflash_mlx.torch_train"})
         state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), step=self.step,
-                     steps=self.steps, slots=self.slots, elapsed=self.elapsed, flops=self.flops)
+                     steps=self.steps, slots=self.slots, elapsed=self.elapsed, flops=self.flops,
+                     warmup=self.warmup)
         torch.save(state, a.out / (STATE_NAME + ".tmp"))
         (a.out / (STATE_NAME + ".tmp")).replace(a.out / STATE_NAME)
         (a.out / "eval_prompts.json").write_text(json.dumps(self.eval_prompts) + "\n")
@@ -271,6 +286,7 @@ class Run:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.slots, self.elapsed = state["step"], state["slots"], state["elapsed"]
         self.flops = state.get("flops", 0.0)
+        self.warmup = state.get("warmup")
         self.steps = self.args.steps or state["steps"]
 
 
@@ -301,6 +317,7 @@ def _train(args, log) -> int:
             raise DFlashError(f"--until is {-60 * minutes:.0f} s in the past once the target and data are loaded")
         # With --until the steps must end UNTIL_RESERVE_S early (the last evaluation and the save come after).
         run.steps = run.calibrate(minutes if args.until is None else max(minutes - UNTIL_RESERVE_S / 60, 1 / 600))
+        run.warmup = max(1, round(0.04 * run.steps))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_args.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
                                                          for k, v in vars(args).items()}, indent=1) + "\n")
@@ -308,8 +325,11 @@ def _train(args, log) -> int:
     deadline = time.perf_counter() + 60 * args.minutes * 1.05 if args.minutes else None
     if args.until is not None:  # a hard end: the last step, its evaluation and the save fit before it
         deadline = time.perf_counter() + (args.until - time.time()) - UNTIL_RESERVE_S
+    # A time-filling run re-plans its length as it goes, so that the schedule reaches its floor at the end.
+    end = None if args.steps is not None or args.resume else \
+        (deadline if args.until is not None else time.perf_counter() + 60 * args.minutes)
     history = open(args.out / "log.jsonl", "a")
-    tic = time.perf_counter()
+    tic, first = time.perf_counter(), run.step
     while run.step < run.steps:
         t0 = time.perf_counter()
         stats = run.train_step()
@@ -333,6 +353,12 @@ def _train(args, log) -> int:
         history.flush()
         if done:
             break
+        if end is not None and (run.step - first) % REPLAN_EVERY == 0:
+            now = time.perf_counter()
+            steps = replan_steps(run.step - first, run.steps - first, now - tic, end - now) + first
+            if steps != run.steps and (run.step - first) % (10 * REPLAN_EVERY) == 0:
+                log(f"re-planned: {steps} steps at {(now - tic) / (run.step - first):.3f} s/step")
+            run.steps = max(steps, run.step + 1)
     log(f"done: {run.step} steps, {run.slots} predicted slots, {run.flops:.3g} training FLOPs, "
         f"{time.perf_counter() - tic:.0f} s; drafter in {args.out}")
     return 0
