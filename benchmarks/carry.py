@@ -11,6 +11,12 @@ stops it with one line on stderr naming the piece and exit status 2, and leaves 
     python benchmarks/carry.py split FILE OUTDIR [--piece-mib 15]
     python benchmarks/carry.py join MANIFEST [--pieces DIR ...] [--out PATH]
     python benchmarks/carry.py check MANIFEST [--pieces DIR ...]
+    python benchmarks/carry.py pack OUTDIR FILE ... [--load-mib 56] [--piece-mib 14]
+
+`pack` lays several files out as numbered loads (OUTDIR/00, 01, ...: one per command, each at most --load-mib),
+in the order given: a file larger than a piece is split and its pieces fill the loads in turn, its manifest riding
+with its last piece (so a file can be joined as soon as the load that completes it has arrived); a smaller file
+travels whole.
 
 Pieces are looked up in the manifest's own folder, then in each --pieces folder. `check` lists each piece as
 valid, bad or missing and exits 0 only when all are valid (1 otherwise, 2 on an unreadable manifest).
@@ -22,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -188,6 +195,44 @@ def join(manifest, piece_dirs=(), out=None) -> Path:
     return out
 
 
+def pack(files, outdir, load_bytes: int, piece_bytes: int = 14 << 20, echo=None) -> list[Path]:
+    """Lay `files` out as numbered load folders of at most `load_bytes` each; returns the folders in order."""
+    outdir = Path(outdir)
+    if piece_bytes > load_bytes:
+        raise CarryError(f"a piece ({piece_bytes} bytes) must fit in a load ({load_bytes} bytes)")
+    if outdir.exists() and any(outdir.iterdir()):
+        raise CarryError(f"{outdir} is not empty: pack into a new folder")
+    stage = outdir / ".stage"
+    items = []  # (path, size, manifest riding with it or None), in travel order
+    for f in map(Path, files):
+        if not f.is_file():
+            raise CarryError(f"{f}: no such file")
+        if f.stat().st_size <= piece_bytes:
+            items.append((f, f.stat().st_size, None))
+            continue
+        manifest = split(f, stage, piece_bytes)
+        pieces = _load(manifest)["pieces"]
+        for i, piece in enumerate(pieces):
+            items.append((stage / piece["name"], piece["size"], manifest if i == len(pieces) - 1 else None))
+    loads, used = [], load_bytes + 1
+    for path, size, manifest in items:
+        extra = manifest.stat().st_size if manifest else 0
+        if used + size + extra > load_bytes:
+            loads.append(outdir / f"{len(loads):02d}")
+            loads[-1].mkdir(parents=True)
+            used = 0
+        (os.replace if path.parent == stage else shutil.copy2)(path, loads[-1] / path.name)
+        if manifest:
+            os.replace(manifest, loads[-1] / manifest.name)
+        used += size + extra
+    shutil.rmtree(stage, ignore_errors=True)
+    if echo:
+        for load in loads:
+            echo(f"{load}  {sum(f.stat().st_size for f in load.iterdir()) / (1 << 20):.1f} MiB  "
+                 f"{len(list(load.iterdir()))} files")
+    return loads
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="carry.py", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -202,11 +247,19 @@ def main(argv=None) -> int:
                        help="more folders holding pieces (the manifest's folder is always searched)")
         if name == "join":
             p.add_argument("--out", help="output path (default: the manifest's folder / the file's name)")
+    k = sub.add_parser("pack", help="lay FILEs out as numbered loads in OUTDIR")
+    k.add_argument("outdir")
+    k.add_argument("files", nargs="+")
+    k.add_argument("--load-mib", type=float, default=56, help="one load's size in MiB (default 56)")
+    k.add_argument("--piece-mib", type=float, default=14, help="piece size in MiB (default 14)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "split":
             m = split(args.file, args.outdir, round(args.piece_mib * (1 << 20)), echo=print)
             print(f"manifest {m}")
+        elif args.cmd == "pack":
+            pack(args.files, args.outdir, round(args.load_mib * (1 << 20)), round(args.piece_mib * (1 << 20)),
+                 echo=print)
         elif args.cmd == "join":
             out = join(args.manifest, args.pieces, args.out)
             print(f"{out}  sha256 {_load(args.manifest)['sha256']}")

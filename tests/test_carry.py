@@ -129,3 +129,27 @@ def test_cli(tmp_path):
     r = _run("join", manifest, "--pieces", moved, "--out", tmp_path / "x")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "x").read_bytes() == src.read_bytes()
+
+
+def test_pack_fills_loads_in_order_and_each_file_joins_from_its_loads(tmp_path):
+    """Files larger than a piece are split across loads (manifest with the last piece), smaller ones travel whole,
+    no load exceeds its size, and every file joins back from the loads it travelled in."""
+    big = _file(tmp_path, 5500, "wheel.whl")
+    small = _file(tmp_path, 300, "config.json")
+    other = _file(tmp_path, 2100, "target.gguf")
+    loads = carry.pack([big, small, other], tmp_path / "loads", load_bytes=3000, piece_bytes=PIECE)
+    assert [d.name for d in loads] == [f"{i:02d}" for i in range(len(loads))]
+    for d in loads:
+        assert sum(f.stat().st_size for f in d.iterdir()) <= 3000
+    names = [sorted(f.name for f in d.iterdir()) for d in loads]
+    assert names[0][:2] == ["wheel.whl.part000", "wheel.whl.part001"]  # travel order kept
+    where = {f.name: d for d in loads for f in d.iterdir()}
+    assert where["wheel.whl.manifest.json"] == where["wheel.whl.part005"]  # rides with the last piece
+    assert (where["config.json"] / "config.json").read_bytes() == small.read_bytes()
+    for src in (big, other):
+        manifest = where[src.name + ".manifest.json"] / (src.name + ".manifest.json")
+        out = carry.join(manifest, loads, tmp_path / "back" / src.name)
+        assert out.read_bytes() == src.read_bytes()
+    assert not (tmp_path / "loads" / ".stage").exists()
+    with pytest.raises(carry.CarryError, match="not empty"):
+        carry.pack([small], tmp_path / "loads", load_bytes=3000, piece_bytes=PIECE)
