@@ -192,7 +192,7 @@ def write_chart(report: dict, path: Path) -> Optional[Path]:
         return None
     methods = report["methods"]
     names = [s["name"] for s in methods]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8 + 0.12 * max(0, len(names) - 6)))  # room for more labels
     ax = axes[0][0]
     bars = ax.bar(names, [s["tok_s"] for s in methods], color="tab:blue")
     for bar, s in zip(bars, methods):
@@ -227,10 +227,17 @@ def write_chart(report: dict, path: Path) -> Optional[Path]:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.legend(fontsize=8)
+        ax.set_xlabel("k")
+    else:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "verify cost not measured\n(--verify-prompts 0)", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
     ax.set_title("k-token verify cost / one decode step")
-    ax.set_xlabel("k")
     for ax in axes[0].tolist() + [axes[1][0]]:
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        # Long method names: each label ends under its own bar (anchored at its right end).
+        ax.tick_params(axis="x", labelsize=8)
+        for label in ax.get_xticklabels():
+            label.set(rotation=35, ha="right", rotation_mode="anchor")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
