@@ -306,9 +306,75 @@ def test_bad_options_and_formats(zlab, tmp_path):
     raises(lambda: convert_drafter(str(src), tmp_path / "o", q_bits=3), "unsupported quantization bits 3")
     raises(lambda: convert_drafter(str(src), tmp_path / "o", q_bits=4, q_group_size=48), "group size 48")
     raises(lambda: convert_drafter(str(src), src), "is the source directory")
-    spec = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+    spec = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "sample_from_anchor": True,
             "transformer_layer_config": BASE, "aux_hidden_state_layer_ids": [2, 3]}
     other = write_checkpoint(tmp_path / "spec", spec, weights)
-    raises(lambda: load_drafter(str(other)), "speculators-format")
+    raises(lambda: load_drafter(str(other)), "sample_from_anchor")
     target_like = write_checkpoint(tmp_path / "target", {**BASE, "architectures": ["Qwen3ForCausalLM"]}, weights)
     raises(lambda: load_drafter(str(target_like)), "not a DFlash drafter")
+
+
+# -- vLLM speculators packaging ------------------------------------------------------------------------------------
+def _speculators(raw_zlab: dict, draft_vocab=None, non_causal=False) -> dict:
+    """The speculators config of the same drafter: the layer config nested, taps + 1, the block and mask on top."""
+    dflash = raw_zlab["dflash_config"]
+    inner = {k: v for k, v in raw_zlab.items() if k not in ("dflash_config", "block_size", "architectures")}
+    out = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+           "transformer_layer_config": inner, "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
+           "block_size": raw_zlab["block_size"], "mask_token_id": dflash["mask_token_id"],
+           "draft_vocab_size": draft_vocab or VOCAB, "sample_from_anchor": False,
+           "speculators_config": {"algorithm": "dflash", "proposal_methods": [{"speculative_tokens": 3}]}}
+    if non_causal:
+        out["sliding_window_non_causal"] = True
+    return out
+
+
+def test_speculators_checkpoint_drafts_as_its_zlab_twin(tmp_path, target):
+    """A speculators DFlash checkpoint (full vocabulary: copies of the target's embedding, head and final norm, the
+    t2d mask) loads and converts to the drafter its z-lab twin gives, logits bit for bit."""
+    raw, weights = GENERATIONS["old"], zlab_weights()
+    expected = draft_logits(reference_drafter(raw, weights), target)
+    rng = np.random.default_rng(1)
+    extra = {"embed_tokens.weight": rng.standard_normal((VOCAB, H)).astype(np.float32),
+             "lm_head.weight": rng.standard_normal((VOCAB, H)).astype(np.float32),
+             "verifier_norm.weight": np.ones(H, np.float32), "t2d": np.ones(VOCAB, np.bool_)}
+    src = write_checkpoint(tmp_path / "spec", _speculators(raw), {**weights, **extra})
+    drafter = load_drafter(str(src))
+    assert drafter.block_size == 4 and drafter.config.target_layer_ids == TAPS and drafter.config.mask_token_id == MASK
+    assert drafter.config.draft_vocab_size is None
+    assert mx.array_equal(draft_logits(drafter, target), expected)
+    out = convert_drafter(str(src), tmp_path / "out", dtype="float32")
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "dflash" and written["dflash_config"]["target_layer_ids"] == TAPS
+    assert mx.array_equal(draft_logits(load_drafter(str(out)), target), expected)
+
+
+def test_speculators_reduced_vocabulary_keeps_its_head_and_d2t(tmp_path, target):
+    """With draft_vocab_size < vocab_size the checkpoint's own head and d2t (int64 from PyTorch) are the drafter's:
+    the same logits as our form of that drafter."""
+    raw, weights = GENERATIONS["old"], zlab_weights()
+    draft_vocab = 40
+    rng = np.random.default_rng(2)
+    head = (rng.standard_normal((draft_vocab, H)) / np.sqrt(H)).astype(np.float32)
+    d2t = np.sort(rng.choice(VOCAB, draft_vocab, replace=False)) - np.arange(draft_vocab)
+    ours = {**raw, "draft_vocab_size": draft_vocab}
+    expected = draft_logits(reference_drafter(ours, {**weights, "lm_head.weight": head,
+                                                     "d2t": d2t.astype(np.int32)}), target)
+    src = write_checkpoint(tmp_path / "spec", _speculators(raw, draft_vocab),
+                           {**weights, "lm_head.weight": head, "d2t": d2t.astype(np.int64),
+                            "t2d": np.zeros(VOCAB, np.bool_), "embed_tokens.weight": np.zeros((VOCAB, H), np.float32)})
+    drafter = load_drafter(str(src))
+    assert drafter.config.draft_vocab_size == draft_vocab and drafter.d2t.dtype == mx.int32
+    assert mx.array_equal(draft_logits(drafter, target), expected)
+
+
+def test_speculators_sliding_non_causal_and_bad_configs(tmp_path):
+    raw, weights = GENERATIONS["old"], zlab_weights()
+    src = write_checkpoint(tmp_path / "spec", _speculators(raw, non_causal=True), weights)
+    assert load_drafter(str(src)).config.is_causal is False
+    broken = {k: v for k, v in _speculators(raw).items() if k != "transformer_layer_config"}
+    broken["speculators_model_type"] = "dflash"
+    src = write_checkpoint(tmp_path / "broken", broken, weights)
+    raises(lambda: load_drafter(str(src)), "lacks its transformer_layer_config")
+    src = write_checkpoint(tmp_path / "extra", _speculators(raw), {**weights, "markov.weight": np.zeros(3, np.float32)})
+    raises(lambda: load_drafter(str(src)), "unexpected tensor 'markov.weight'")

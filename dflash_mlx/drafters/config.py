@@ -93,8 +93,9 @@ class DFlashConfig:
     def from_dict(cls, raw: Dict[str, Any]) -> "DFlashConfig":
         """Build from a z-lab (either generation), speculators, or our own normalized config dict."""
         raw = dict(raw)
+        layout = None
         if raw.get("speculators_model_type") == "dflash" or "transformer_layer_config" in raw:
-            raw = _flatten_speculators(raw)
+            raw, layout = _flatten_speculators(raw), SPECULATORS
         dflash = dict(raw.get("dflash_config") or {})
         values: Dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
@@ -124,7 +125,10 @@ class DFlashConfig:
         ids = values.get("target_layer_ids")
         if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids):
             raise DFlashError(f"drafter config has target_layer_ids = {ids!r}; it must be a list of layer numbers")
-        return cls(**values)
+        config = cls(**values)
+        if layout is not None:
+            config.extra["layout"] = layout  # the loader drops the tensors this packaging adds (`speculators_tensors`)
+        return config
 
     def to_dict(self) -> Dict[str, Any]:
         """The normalized config our converter writes: every field explicit, DFlash keys in `dflash_config`."""
@@ -148,17 +152,36 @@ class DFlashConfig:
         return out
 
 
+SPECULATORS = "speculators"
+# Tensors a speculators DFlash checkpoint may carry beside the z-lab ones: copies of the target's embedding, final
+# norm and head, and the target-to-draft vocabulary mask. The drafter uses the target's own; these are dropped.
+SPECULATORS_ONLY = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight", "t2d")
+
+
 def _flatten_speculators(raw: Dict[str, Any]) -> Dict[str, Any]:
-    """Map the speculators DFlash format onto z-lab keys (aux ids are z-lab ids + 1)."""
-    inner = dict(raw.get("transformer_layer_config") or {})
+    """Map the vLLM speculators DFlash format onto z-lab keys: the Qwen3 layer config nested under
+    `transformer_layer_config`, taps in `aux_hidden_state_layer_ids` (z-lab ids + 1), an optional reduced draft
+    vocabulary (`draft_vocab_size`, its own `lm_head` and `d2t`), `sliding_window_non_causal` for sliding layers."""
+    if raw.get("sample_from_anchor"):
+        raise DFlashError("this speculators DFlash drafter predicts from its anchor slot (sample_from_anchor: true), "
+                          "which DFlash decoding does not do; use a drafter trained with sample_from_anchor false")
+    inner = raw.get("transformer_layer_config")
+    if not isinstance(inner, dict):
+        raise DFlashError("speculators DFlash config.json lacks its transformer_layer_config; restore it from the "
+                          "drafter's source")
     out = {**inner}
     aux = raw.get("aux_hidden_state_layer_ids")
     out["dflash_config"] = {
-        "target_layer_ids": [i - 1 for i in aux] if aux is not None else None,
+        "target_layer_ids": [i - 1 for i in aux] if isinstance(aux, list) else aux,
         "mask_token_id": raw.get("mask_token_id"),
     }
     out["dflash_config"] = {k: v for k, v in out["dflash_config"].items() if v is not None}
     for key in ("block_size", "num_target_layers"):
         if key in raw:
             out[key] = raw[key]
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != inner.get("vocab_size"):  # equal: the target's own head
+        out["draft_vocab_size"] = draft_vocab
+    if raw.get("sliding_window_non_causal"):
+        out["is_causal"] = False  # full-attention layers see the whole block anyway
     return out

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 import mlx.core as mx
 
 from ..errors import DFlashError
-from .config import DFlashConfig
+from .config import SPECULATORS, SPECULATORS_ONLY, DFlashConfig
 from .dflash import DFlashDrafter
 
 
@@ -39,7 +39,19 @@ def _is_dflash(raw: Dict[str, Any]) -> bool:
     return True  # the fallback: `DFlashConfig.from_dict` and the loader say what is wrong with anything else
 
 
-DFLASH = DrafterFamily("DFlash", _is_dflash, DFlashConfig, DFlashDrafter)
+def speculators_tensors(weights: Dict[str, Any], config: DFlashConfig) -> Dict[str, Any]:
+    """A speculators checkpoint's tensors under z-lab names: the target's copies dropped, and the head and `d2t`
+    kept only for a reduced draft vocabulary (a full-vocabulary head is the target's own)."""
+    if config.extra.get("layout") != SPECULATORS:
+        return weights
+    drop = set(SPECULATORS_ONLY) | (set() if config.draft_vocab_size else {"lm_head.weight", "d2t"})
+    out = {k: v for k, v in weights.items() if k not in drop}
+    if "d2t" in out:
+        out["d2t"] = out["d2t"].astype(mx.int32)  # stored as int64 by PyTorch
+    return out
+
+
+DFLASH = DrafterFamily("DFlash", _is_dflash, DFlashConfig, DFlashDrafter, rename=speculators_tensors)
 
 # Modules defining `FAMILY`, asked before DFlash in this order (imported on first use: each builds on drafter.py).
 _FAMILY_MODULES: List[str] = [

@@ -80,13 +80,9 @@ def read_config(path: Path) -> DFlashConfig:
                     lambda e: f"cannot parse {file}: {e}; re-download or re-convert the drafter")
     family = detect(raw)
     if family.config_class is DFlashConfig:
-        if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
-            raise DFlashError(
-                f"'{path}' is a speculators-format drafter, which is not supported yet; use the z-lab DFlash "
-                "checkpoint for this target"
-            )
         archs = raw.get("architectures") or []
-        if raw.get("model_type") != "dflash" and archs and not any("DFlash" in a for a in archs):
+        speculators = raw.get("speculators_model_type") == "dflash" or "transformer_layer_config" in raw
+        if not speculators and raw.get("model_type") != "dflash" and archs and not any("DFlash" in a for a in archs):
             raise DFlashError(f"'{path}' holds a {', '.join(archs)} model, not a DFlash drafter")
     return family.config_class.from_dict(raw)
 
