@@ -205,7 +205,7 @@ def chat(
 
         return chat_in_browser((target, tokenizer, drafter), model=model, draft=draft, port=port,
                                open_browser=not no_open, max_tokens=max_tokens, width=width, temp=temp,
-                               tree_budget=budget)
+                               tree_budget=budget, lookup=False if no_lookup else None)
     console.warn_before_run(target, drafter, 0, width)
     if seed is not None:
         sampling["seed"] = seed
@@ -256,6 +256,7 @@ def serve(
                                                     "sooner; larger ones prefill a little faster."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
     tree_budget: Optional[str] = TREE_BUDGET_OPTION,
+    no_lookup: bool = NO_LOOKUP_OPTION,
 ):
     """Serve the model over HTTP: OpenAI /v1 (chat, completions, models), Anthropic /v1/messages, /health, /metrics."""
     budget = tree_budget_value(tree_budget)
@@ -276,7 +277,7 @@ def serve(
                                  prompt_cache_dir_bytes=prompt_cache_dir_bytes, width=width, max_tokens=max_tokens,
                                  temp=temp, chat_template_args=chat_template_args,
                                  served_model_name=served_model_name, strict_model_names=strict_model_names,
-                                 tree_budget=budget)
+                                 tree_budget=budget, lookup=False if no_lookup else None)
     if ranks:
         from .distributed.serving import serve_ranks
 

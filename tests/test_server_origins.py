@@ -105,3 +105,19 @@ def test_vendored_libraries_are_pinned_with_their_licenses():
     assert "under the MIT license" in (vendor / "marked.LICENSE.md").read_text()
     assert "BSD 3-Clause" in (vendor / "highlight.LICENSE").read_text()
     assert "sourceMappingURL" not in (vendor / "marked.umd.js").read_text()  # no request for a map file
+
+
+def test_no_lookup_server_never_copies_from_the_context(live, tmp_path):
+    """`serve --no-lookup` (and `chat --web --no-lookup`): no pass drafts from the context, the reply unchanged."""
+    target_dir, drafter_dir = make_tiny_pair(tmp_path)
+    model, tokenizer, drafter = load(str(target_dir), str(drafter_dir))
+    off = start_in_thread(create_app(model, tokenizer, drafter, ServerSettings(model_name="tiny", lookup=False)))
+    try:
+        body = dict(messages=PROMPT, max_tokens=48, temperature=0, dflash={"origins": True})
+        with_lookup = httpx.post(live.url + "/chat/completions", json=body, timeout=120).json()
+        without = httpx.post(off.url + "/chat/completions", json=body, timeout=120).json()
+    finally:
+        off.stop()
+    assert with_lookup["dflash"]["origin_counts"]["lookup"] > 0  # the prompt invites copies: the test can fail
+    assert without["dflash"]["origin_counts"]["lookup"] == 0
+    assert without["choices"][0]["message"]["content"] == with_lookup["choices"][0]["message"]["content"]

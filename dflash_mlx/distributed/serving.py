@@ -158,7 +158,7 @@ def serve_ranks(model: str, drafter: Optional[str], *, host: str, port: int, qua
     if group.rank() != 0:
         follow(Generator(target, tokenizer, draft, width=settings.width,
                          prompt_cache_bytes=settings.prompt_cache_bytes,
-                         tree_budget=settings.tree_budget), group)
+                         tree_budget=settings.tree_budget, lookup=settings.lookup), group)
         return
     # uvicorn re-raises the signal it shut down for once it is done; SIGTERM's default action would end this
     # process before the other ranks are told, so it becomes the same exception as Ctrl-C.

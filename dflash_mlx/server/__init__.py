@@ -228,7 +228,8 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
                       chat_template_args: Optional[str],
                       served_model_name: Union[None, str, List[str]], max_batch: int = 8,
                       prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: str = "16GiB",
-                      strict_model_names: bool = False, tree_budget=DEFAULT_TREES) -> ServerSettings:
+                      strict_model_names: bool = False, tree_budget=DEFAULT_TREES,
+                      lookup: Optional[bool] = None) -> ServerSettings:
     """The `dflash-mlx serve` options as settings, every one checked before any model is loaded.
     `served_model_name` may be several names (the flag repeated): the first is the one the server reports."""
     template_args = None
@@ -255,7 +256,7 @@ def settings_from_cli(*, model: str, draft: Optional[str], api_key: Optional[str
                           width=width, default_max_tokens=max_tokens, temperature=temp,
                           chat_template_kwargs=template_args, max_batch=max_batch,
                           prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=disk_bytes,
-                          strict_model_names=strict_model_names, tree_budget=tree_budget)
+                          strict_model_names=strict_model_names, tree_budget=tree_budget, lookup=lookup)
 
 
 def serve_from_cli(*, model: str, draft: Optional[str], quant: Optional[str], host: str, port: int,

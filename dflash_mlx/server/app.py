@@ -64,6 +64,7 @@ class ServerSettings:
     # Drafted blocks as trees: "auto" (chain or tree by measured speed), a fixed budget, None (chains), or
     # DEFAULT_TREES: "auto" unless the width is fixed or the request gives a seed (as `dflash-mlx generate`).
     tree_budget: Union[int, str, None] = DEFAULT_TREES
+    lookup: Optional[bool] = None  # False: never draft by copying from the context (`--no-lookup`)
     default_max_tokens: Optional[int] = None  # for requests that set no limit; None: what the context leaves
     context_length: Optional[int] = None  # default: the target's max_position_embeddings
     temperature: float = 0.0  # when a request sets none (OpenAI's own default is 1.0)
@@ -123,7 +124,7 @@ class Server:
                                 settings.prompt_cache_dir_bytes)
         self.generator = Generator(model, self.tokenizer, drafter, width=settings.width,
                                    prompt_cache_bytes=settings.prompt_cache_bytes, max_batch=settings.max_batch,
-                                   store=store, tree_budget=settings.tree_budget)
+                                   store=store, tree_budget=settings.tree_budget, lookup=settings.lookup)
         self.metrics = Metrics()
         self.worker = Worker(self.generator, settings.max_queue, self.metrics, on_exit=self.generator.persist)
         self.context_length = settings.context_length or context_length_of(model)

@@ -129,7 +129,8 @@ class Generator:
 
     def __init__(self, model, tokenizer, drafter, *, width: Optional[int] = None,
                  prompt_cache_bytes: int = 2 << 30, prefill_step_size: int = 2048, max_batch: int = 1,
-                 store: Optional[PrefixStore] = None, tree_budget: Union[int, str, None] = DEFAULT_TREES):
+                 store: Optional[PrefixStore] = None, tree_budget: Union[int, str, None] = DEFAULT_TREES,
+                 lookup: Optional[bool] = None):
         # `--draft lookup`: no drafter; every pass may copy from the context (the prompt, cached prefixes).
         drafter, self.lookup_only = drafter_model(drafter)
         self.model = model
@@ -137,6 +138,7 @@ class Generator:
         self.drafter = drafter
         self.width = width  # a fixed verify width (None: chosen each pass)
         self.tree_budget = tree_budget  # drafted blocks as trees: DEFAULT_TREES resolves per request
+        self.lookup = lookup  # drafts copied from the context: None = the engine's default, False = never
         # What this process has measured (seconds per width and tree budget, acceptance per source) seeds every
         # request's planner, so a short reply does not pay the probes a cold planner makes.
         self.memory = PlannerMemory()
@@ -246,7 +248,7 @@ class Generator:
                        tokenizer_lock=self.tokenizer_lock, prefill_step_size=self.prefill_step_size,
                        memory=self.memory, **req.sampling)
         # The decode options go by name: the engine decides with them (`decode.planner.build_planner`).
-        lookup = True if self.lookup_only else None
+        lookup = True if self.lookup_only else self.lookup
         if batched and self.batch is not None:
             generation = BatchedGeneration(self.batch, prompt[position:], max_tokens=req.max_tokens, width=self.width,
                                            lookup=lookup, tree_budget=self.tree_budget, **options)

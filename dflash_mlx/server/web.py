@@ -39,11 +39,12 @@ def open_when_ready(url: str, open_browser: bool, timeout: float = 600.0) -> thr
 
 def chat_in_browser(loaded, *, model: str, draft: Optional[str], port: int, open_browser: bool,
                     max_tokens: Optional[int], width: Optional[int], temp: float,
-                    tree_budget=DEFAULT_TREES) -> None:
+                    tree_budget=DEFAULT_TREES, lookup: Optional[bool] = None) -> None:
     """Serve `loaded` (target, tokenizer, drafter) on 127.0.0.1:`port` with its chat page until interrupted."""
     target, tokenizer, drafter = loaded
     settings = ServerSettings(default_max_tokens=max_tokens if max_tokens and max_tokens > 0 else None,
-                              width=width, temperature=temp, tree_budget=tree_budget).name_after(model, draft)
+                              width=width, temperature=temp, tree_budget=tree_budget,
+                              lookup=lookup).name_after(model, draft)
     host = "127.0.0.1"
     open_when_ready(f"http://{host}:{port}/", open_browser)
     serve_loaded(target, tokenizer, drafter, settings, host=host, port=port, log_level="warning")
