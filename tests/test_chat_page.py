@@ -255,6 +255,28 @@ def test_esc_stops_the_reply_and_the_server_goes_idle(server, browser):
     assert browser.find_element(By.CSS_SELECTOR, "article.assistant .stopped").text == "stopped"
 
 
+def test_a_reload_while_streaming_keeps_what_had_arrived(server, browser):
+    """Reloading the page mid-reply keeps the reply so far, marked "interrupted"; the server stops generating it."""
+    _open(browser, server.base)
+    _set(browser, "max-tokens", LONG_REPLY)
+    cancelled = server.metric("dflash_generations_cancelled_total")
+    _send(browser, "Tell me a very long story.")
+    _wait(browser,
+        lambda d: int(d.find_element(By.CSS_SELECTOR, "article.assistant .stats").get_attribute("data-target")) > 0)
+    browser.refresh()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "article.assistant .stopped"))
+    reply, shown = _last_reply(browser)
+    assert reply["stopped"] and reply["interrupted"] and "partial" not in reply
+    assert reply["content"] and 0 < sum(shown.values()) < LONG_REPLY
+    assert browser.find_element(By.CSS_SELECTOR, "article.assistant .stopped").text == "interrupted"
+    assert not browser.find_elements(By.CSS_SELECTOR, "article.assistant.streaming")
+    deadline = time.monotonic() + WAIT
+    while server.health()["running"] or server.health()["waiting"]:
+        assert time.monotonic() < deadline, "the server kept generating after the page went away"
+        time.sleep(0.1)
+    assert server.metric("dflash_generations_cancelled_total") == cancelled + 1
+
+
 def test_shift_enter_is_a_new_line_and_the_page_fits_a_phone(server, browser):
     _open(browser, server.base)
     box = browser.find_element(By.ID, "input")

@@ -14,11 +14,20 @@ const state = {
   model: null,
   controller: null, // the running request's AbortController
   streaming: null, // {conversation, message, started, firstToken}
+  leaving: false, // the page is being unloaded (reload, closed tab)
 };
 
 // ---- storage -------------------------------------------------------------------------------------------------
 function load() {
   try { state.conversations = JSON.parse(localStorage.getItem(STORE)) || []; } catch (e) { state.conversations = []; }
+  // A reply still streaming when the page went away (reload, closed tab) keeps what had arrived, marked as such.
+  let interrupted = false;
+  for (const c of state.conversations) {
+    for (const m of c.messages || []) {
+      if (m.partial) { delete m.partial; m.stopped = true; m.interrupted = interrupted = true; }
+    }
+  }
+  if (interrupted) save();
   state.current = state.conversations.length ? state.conversations[0].id : null;
   let s = {};
   try { s = JSON.parse(localStorage.getItem(SETTINGS)) || {}; } catch (e) { s = {}; }
@@ -255,7 +264,7 @@ function headers() {
 }
 
 async function complete(c) {
-  const m = { role: "assistant", content: "", tokens: [], passes: [] };
+  const m = { role: "assistant", content: "", tokens: [], passes: [], partial: true };  // partial until finish()
   c.messages.push(m);
   const controller = new AbortController();
   state.controller = controller;
@@ -324,6 +333,7 @@ function onChunk(chunk, m) {
     if (stream && stream.firstToken === null) stream.firstToken = performance.now();
     for (const t of extra.tokens) m.tokens.push([t.text, CODES[t.origin] || "t"]);
     m.passes.push(extra.tokens.length);
+    saveSoon();
   }
   if (choice) {
     const delta = choice.delta || {};
@@ -344,6 +354,16 @@ function statsOf(d) {
   const out = {};
   for (const k of keep) if (d[k] !== undefined) out[k] = d[k];
   return out;
+}
+
+// While a reply streams it is saved every few seconds (and when the page goes away), so a reload or a crashed tab
+// keeps what had arrived.
+let lastSave = 0;
+function saveSoon() {
+  const now = performance.now();
+  if (now - lastSave < 2000) return;
+  lastSave = now;
+  save();
 }
 
 let renderQueued = false;
@@ -376,6 +396,9 @@ function renderStreaming() {
 }
 
 function finish(m, error, stopped) {
+  // The page is going away: its unload broke the stream. What was saved stays, marked partial for the next load.
+  if (state.leaving) return;
+  delete m.partial;
   if (error) m.error = error;
   if (stopped) m.stopped = true;
   state.streaming = null;
@@ -468,6 +491,8 @@ function bind() {
     if (e.key.toLowerCase() === "o" && e.shiftKey && (e.ctrlKey || e.metaKey)) { e.preventDefault(); newChat(); }
   });
   $("new-chat").addEventListener("click", newChat);
+  window.addEventListener("pagehide", () => { state.leaving = true; if (state.streaming) save(); });
+  window.addEventListener("pageshow", () => { state.leaving = false; });
   $("open-side").addEventListener("click", openSide);
   $("close-side").addEventListener("click", closeSide);
   for (const id of ["system-prompt", "temperature", "top-p", "max-tokens"]) $(id).addEventListener("change", saveSettings);

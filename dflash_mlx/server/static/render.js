@@ -176,8 +176,9 @@ function renderStats(message, live) {
   if (message.stopped || message.finish === "length") {
     const tag = document.createElement("span");
     tag.className = message.stopped ? "stat stopped" : "stat cut";
-    tag.textContent = message.stopped ? "stopped" : "cut at the max tokens";
-    tag.title = message.stopped ? "you stopped this reply" : "the reply reached the Max tokens setting";
+    tag.textContent = message.interrupted ? "interrupted" : message.stopped ? "stopped" : "cut at the max tokens";
+    tag.title = message.interrupted ? "the page was reloaded or closed while this reply streamed"
+      : message.stopped ? "you stopped this reply" : "the reply reached the Max tokens setting";
     box.appendChild(tag);
   }
   return box;
