@@ -121,3 +121,26 @@ def test_no_lookup_server_never_copies_from_the_context(live, tmp_path):
     assert with_lookup["dflash"]["origin_counts"]["lookup"] > 0  # the prompt invites copies: the test can fail
     assert without["dflash"]["origin_counts"]["lookup"] == 0
     assert without["choices"][0]["message"]["content"] == with_lookup["choices"][0]["message"]["content"]
+
+
+def test_collapse_is_logged_once_per_server_and_counted(tmp_path, caplog):
+    """The random demo drafter's drafts are never accepted: every request collapses, one warning is logged, and
+    /metrics counts them all (an agent's session sends hundreds of requests)."""
+    import logging
+
+    target_dir, drafter_dir = make_tiny_pair(tmp_path)
+    model, tokenizer, drafter = load(str(target_dir), str(drafter_dir))
+    # A fixed width drafts every pass, so each request surely sees the collapse; no lookup copies.
+    settings = ServerSettings(model_name="tiny", lookup=False, width=4, max_batch=1)
+    server = start_in_thread(create_app(model, tokenizer, drafter, settings))
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
+            for text in ("hello", "hello there", "good morning"):
+                body = dict(messages=[{"role": "user", "content": text}], max_tokens=80, temperature=0)
+                assert httpx.post(server.url + "/chat/completions", json=body, timeout=120).status_code == 200
+        metrics = httpx.get(server.url.rsplit("/v1", 1)[0] + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    warnings = [r.getMessage() for r in caplog.records if "acceptance collapsed" in r.getMessage()]
+    assert len(warnings) == 1 and "logged once per server" in warnings[0], warnings
+    assert "dflash_collapsed_generations_total 3" in metrics.splitlines()

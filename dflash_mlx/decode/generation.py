@@ -61,6 +61,8 @@ class Generation:
         tokenizer_lock: held while detokenizing (the server shares its tokenizer with other threads).
         warn_collapse: log one warning (logger "dflash_mlx") when drafts were almost never accepted, once the
             generation has ended; `collapse_warning` holds it from the pass where it was noticed.
+        log_collapse: False: watch for the collapse and hold the warning, but leave logging it to the caller (a
+            server that sees many generations logs the first and counts the rest).
         lookup: draft from the context too (None: on when there is a drafter; True without a drafter: lookup
             alone). Only with a chosen width (no `width`, no `planner`). lookup_width: widest lookup pass.
         proposer: a proposer for passes wider than 1 instead of the drafter's blocks (`proposers.Proposer`).
@@ -77,7 +79,7 @@ class Generation:
                  acceptor: Optional[Acceptor] = None, state: Optional[DecodeState] = None,
                  history: Optional[Sequence[int]] = None, stop_tokens: Sequence[int] = (),
                  tokenizer_lock: Optional[ContextManager] = None, warn_collapse: bool = True,
-                 prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
+                 log_collapse: bool = True, prefill_step_size: int = 2048, prefill_progress: Optional[Callable[[int, int], None]] = None,
                  mask_token_id: Optional[int] = None, profiler=None, lookup: Optional[bool] = None,
                  lookup_width: int = 32, proposer=None, tree_budget=None,
                  memory: Optional[PlannerMemory] = None, **sampling):
@@ -130,7 +132,7 @@ class Generation:
         self.watch = (CollapseWatch(made_for=made_for, fixed_trees=isinstance(tree_budget, int), own_layers=own_layers)
                       if warn_collapse else None)
         self.collapse_warning: Optional[str] = None
-        self._warned = False
+        self._warned = not log_collapse  # True: nothing left to log
         self.drafted = self.accepted = 0  # draft tokens proposed / accepted over the verify passes
         self.tokens_generated = 0
         self.prefill_seconds = self.started = 0.0

@@ -139,6 +139,7 @@ class Generator:
         self.width = width  # a fixed verify width (None: chosen each pass)
         self.tree_budget = tree_budget  # drafted blocks as trees: DEFAULT_TREES resolves per request
         self.lookup = lookup  # drafts copied from the context: None = the engine's default, False = never
+        self.collapse_logged = False  # the acceptance-collapse warning: the first one only (agents send hundreds)
         # What this process has measured (seconds per width and tree budget, acceptance per source) seeds every
         # request's planner, so a short reply does not pay the probes a cold planner makes.
         self.memory = PlannerMemory()
@@ -246,7 +247,7 @@ class Generator:
 
         options = dict(tokenizer=self.tokenizer, state=state, history=prompt[:position],
                        tokenizer_lock=self.tokenizer_lock, prefill_step_size=self.prefill_step_size,
-                       memory=self.memory, **req.sampling)
+                       memory=self.memory, log_collapse=False, **req.sampling)
         # The decode options go by name: the engine decides with them (`decode.planner.build_planner`).
         lookup = True if self.lookup_only else self.lookup
         if batched and self.batch is not None:
@@ -305,8 +306,12 @@ class Generator:
                                 gen_time, emitted, n - cached, ttft)
         summary["plain_passes"] = plain_passes
         summary["fallback"] = summary["fallback"] or plain_passes > 0
-        # Drafting stopped paying off (tau near 1 over many passes).
+        # Drafting stopped paying off (tau near 1 over many passes): logged once per server, counted in /metrics.
         summary["collapsed"] = generation.collapse_warning is not None
+        if summary["collapsed"] and not self.collapse_logged:
+            self.collapse_logged = True
+            logger.warning(f"{generation.collapse_warning} (logged once per server; /metrics counts every such "
+                           "request as dflash_collapsed_generations_total)")
         yield Outcome(finish, n, emitted, cached, n - cached, summary, stopper.hit)
 
     def _logprobs(self, logits: mx.array, tokens: List[int], top: int) -> List[TokenLogprob]:

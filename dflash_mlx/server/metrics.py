@@ -18,6 +18,7 @@ class Metrics:
         self.generations = 0
         self.cancelled = 0
         self.fallbacks = 0
+        self.collapsed = 0
         self.cycles = 0
         self.committed = 0
         self.drafted = 0
@@ -42,6 +43,7 @@ class Metrics:
             self.cached_tokens += outcome.cached_tokens
             self.prefilled_tokens += outcome.prefilled_tokens
             self.fallbacks += bool(s["fallback"])
+            self.collapsed += bool(s.get("collapsed"))
             self.cycles += s["cycles"]
             self.committed += round(s["tau"] * s["cycles"])
             self.drafted += s["drafted"]
@@ -73,6 +75,8 @@ class Metrics:
                    [({}, self.cancelled)])
             metric("fallback_generations_total", "counter", "Generations that ran as plain decoding.",
                    [({}, self.fallbacks)])
+            metric("collapsed_generations_total", "counter", "Generations whose drafts were almost never accepted "
+                   "(the drafter does not fit this target or this kind of text).", [({}, self.collapsed)])
             metric("prompt_tokens_total", "counter", "Prompt tokens received.", [({}, self.prompt_tokens)])
             metric("prompt_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.",
                    [({}, self.cached_tokens)])
