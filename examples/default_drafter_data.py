@@ -165,6 +165,8 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--code-files", type=Path, help="also copy whole modules from the code roots (and the "
                         "standard library) into this folder, for training with --labels target")
     parser.add_argument("--code-bytes", type=int, default=2_000_000, help="how much code --code-files copies")
+    parser.add_argument("--no-stdlib", action="store_true", help="requests from the --code-root folders only (a "
+                        "held-out set: packages the training machine does not have)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -177,7 +179,7 @@ def main(argv: List[str] = None) -> None:
     counts = {"code": len(records), "requests": 0, "chat": 0}
     if args.requests:
         # The standard library's own modules (its folder also holds site-packages), then every code root's.
-        paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        paths = [] if args.no_stdlib else sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         paths += [p for root in args.code_root for p in sorted(root.rglob("*.py")) if "test" not in p.name
                   and "/tests/" not in str(p) and not any(name in str(p) for name in EVAL_PACKAGES)]
         functions = list({f["source"]: f for f in function_sources(paths)}.values())
