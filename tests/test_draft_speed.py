@@ -1,7 +1,7 @@
 """The drafter's fast paths change no draft: `greedy_draft` (argmax over the drafter's own vocabulary, ids mapped
 after) equals the argmax of the full target-vocabulary logits, with and without a reduced vocabulary; a quantized
 drafter converted to float32 at load drafts like the quantized one; and decoding through the greedy fast path
-commits exactly what the full-logits path commits."""
+commits exactly what the full-logits path commits, chains and draft trees alike."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -100,6 +100,13 @@ def test_engine_greedy_path_commits_what_the_full_logits_path_commits(kind):
         full_tokens, full_cycles = run_dflash(prompt, t, drafter, max_tokens=20, acceptor=FullLogitsGreedy())
         assert fast_tokens == full_tokens == reference(kind, prompt, 20)
         assert [c.accepted for c in fast_cycles] == [c.accepted for c in full_cycles]
+        # Draft trees: ranked over the drafter's own vocabulary (greedy), the same trees as over the full logits.
+        fast_tokens, fast_cycles = run_dflash(prompt, t, drafter, max_tokens=20, width=4, tree_budget=6)
+        full_tokens, full_cycles = run_dflash(prompt, t, drafter, max_tokens=20, width=4, tree_budget=6,
+                                              acceptor=FullLogitsGreedy())
+        assert fast_tokens == full_tokens == reference(kind, prompt, 20)
+        assert any(c.width > 4 for c in fast_cycles)  # trees of up to 6 nodes were verified
+        assert [(c.width, c.accepted) for c in fast_cycles] == [(c.width, c.accepted) for c in full_cycles]
 
 
 

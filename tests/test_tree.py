@@ -83,6 +83,28 @@ def test_propose_tree():
     assert propose_tree(logits, penalized, 5) is None
 
 
+def test_a_tree_over_a_drafters_own_vocabulary_is_the_full_vocabularys():
+    """A reduced draft vocabulary (`columns`: its token ids, here in no particular order, as a frequency-sorted
+    vocabulary is) ranked on its own gives the tree the full-vocabulary logits give, ties by lower token id."""
+    rng = np.random.default_rng(3)
+    vocab, n, depth = 200, 50, 6
+    for trial in range(12):
+        columns = rng.choice(vocab, n, replace=False)
+        draft = rng.standard_normal((depth, n)).astype(np.float32)
+        draft[:, 5] = draft[:, 7]  # ties at every depth: the lower token id ranks first in both
+        draft[2, 10:14] = draft[2, 9]
+        full = np.full((depth, vocab), -1e9, np.float32)
+        full[:, columns] = draft
+        for budget in (1, 4, 15, 40):
+            whole = propose_tree(mx.array(full), GreedyAcceptor(), budget)
+            own = propose_tree(mx.array(draft), GreedyAcceptor(), budget, mx.array(columns))
+            assert own.tokens.tolist() == whole.tokens.tolist() and own.parents == whole.parents, (trial, budget)
+    # All of a row at once (k >= N) and partitioned (k < N) break ties alike.
+    row = np.array([[0.5, 0.5, 0.2, 0.5]], np.float32)
+    columns = np.array([9, 3, 1, 7])
+    assert _top_k(row, 4, columns)[0] == [[3, 7, 9, 1]] and _top_k(row, 2, columns)[0] == [[3, 7]]
+
+
 # -- prompt lookup with branches -------------------------------------------------------------------------------------
 def test_lookup_tree_single_occurrence_is_the_chain():
     index = LookupIndex(min_n=2, max_n=4)

@@ -35,31 +35,38 @@ from .proposal import DFLASH, LOOKUP, TreeProposal
 
 
 # -- building trees --------------------------------------------------------------------------------------------------
-def _top_k(logq: np.ndarray, k: int) -> Tuple[List[List[int]], List[List[float]]]:
+def _top_k(logq: np.ndarray, k: int, columns: Optional[np.ndarray] = None
+           ) -> Tuple[List[List[int]], List[List[float]]]:
     """Each row's k most likely token ids and their log-probabilities, most likely first, ties by lower id (the
-    order of a stable sort of -logq, as the reference implementation gets from MLX's argsort)."""
+    order of a stable sort of -logq, as the reference implementation gets from MLX's argsort). `columns`: the
+    token id of each column, when the rows cover a drafter's own vocabulary rather than the target's."""
     ids, lps = [], []
     for row in logq:
         if k >= row.shape[0]:
-            top = np.argsort(-row, kind="stable")
+            top = (np.argsort(-row, kind="stable") if columns is None
+                   else np.lexsort((columns, -row)))
         else:  # O(V): everything above the k-th largest value, then the lowest ids among those tied with it
             kth = -np.partition(-row, k - 1)[k - 1]
             above = np.flatnonzero(row > kth)
-            cand = np.concatenate([above, np.flatnonzero(row == kth)[: k - above.size]])
-            top = cand[np.lexsort((cand, -row[cand]))]
-        ids.append(top[:k].tolist())
-        lps.append(row[top[:k]].tolist())  # float32 values as Python floats, summed in float64 like the reference
+            tied = np.flatnonzero(row == kth)
+            if columns is not None:
+                tied = tied[np.argsort(columns[tied], kind="stable")]
+            cand = np.concatenate([above, tied[: k - above.size]])
+            top = cand[np.lexsort((cand if columns is None else columns[cand], -row[cand]))]
+        top = top[:k]
+        ids.append((top if columns is None else columns[top]).tolist())
+        lps.append(row[top].tolist())  # float32 values as Python floats, summed in float64 like the reference
     return ids, lps
 
 
-def _ddtree(logq, budget: int) -> Tuple[List[int], List[int], List[float]]:
+def _ddtree(logq, budget: int, columns: Optional[np.ndarray] = None) -> Tuple[List[int], List[int], List[float]]:
     """`build_ddtree` plus each node's prefix log-probability."""
     logq = np.array(logq.astype(mx.float32)) if isinstance(logq, mx.array) else np.asarray(logq, dtype=np.float32)
     depth_max, vocab = logq.shape
     if depth_max == 0 or budget <= 0:
         return [], [], []
     k = min(budget, vocab)  # a node's i-th child ranks below its first i-1, so deeper ranks can never fit
-    ids, lps = _top_k(logq, k)
+    ids, lps = _top_k(logq, k, columns)
     # Heap entries (-log q(prefix), push counter, depth, rank, parent slot, parent's log q): the counter breaks
     # ties in push order, as the reference does. Prefix sums are left folds from 0.0, bit for bit the same.
     heap = [(-(0.0 + lps[0][0]), 0, 1, 0, 0, 0.0)]
@@ -96,8 +103,13 @@ def build_ddtree(logq, budget: int) -> Tuple[List[int], List[int]]:
     return tokens, parents
 
 
-def propose_tree(draft_logits: mx.array, acceptor, budget: int) -> Optional[TreeProposal]:
+def propose_tree(draft_logits: mx.array, acceptor, budget: int,
+                 columns: Optional[mx.array] = None) -> Optional[TreeProposal]:
     """A DFlash block's drafts as a DDTree of `budget` nodes, from the drafter's logits [D, V].
+
+    `columns` (greedy acceptor only): the logits cover a drafter's reduced vocabulary [D, N] and column j is token
+    `columns[j]`. The tree is the one the full-vocabulary logits give (the other ids have probability 0 there),
+    without building them: on the CPU the log-softmax over 152k ids cost more than the drafter's forward pass.
 
     The tree's nodes are fixed top-K choices, so the proposal is a point mass on each: exact under rejection
     sampling, whatever distribution chose them. Nodes are ranked by the distribution the acceptor draws drafts
@@ -106,7 +118,9 @@ def propose_tree(draft_logits: mx.array, acceptor, budget: int) -> Optional[Tree
     """
     if getattr(acceptor, "processors", None):
         return None
-    tokens, parents, logprobs = _ddtree(acceptor.draft_distribution(draft_logits), budget)
+    if columns is not None:
+        columns = np.array(columns, dtype=np.int64)
+    tokens, parents, logprobs = _ddtree(acceptor.draft_distribution(draft_logits), budget, columns)
     # Prefixes the drafter gives probability 0 (filtered out) come last; they add nothing the drafter expects.
     keep = max(1, sum(lp > -np.inf for lp in logprobs)) if tokens else 0
     return TreeProposal(mx.array(tokens[:keep], dtype=mx.int32), point_mass=True, source=DFLASH,

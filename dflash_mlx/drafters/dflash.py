@@ -9,7 +9,7 @@ Math: docs/algorithm.md.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -162,6 +162,14 @@ class DFlashDrafter(nn.Module):
         drafter's own vocabulary and then mapped, so the full-vocabulary logits are never built."""
         ids = mx.argmax(self.draft_logits(self.hidden_states(block_ids, cache)), axis=-1).astype(mx.int32)
         return ids + self.d2t[ids] if "lm_head" in self else ids
+
+    def tree_logits(self, block_ids: mx.array, cache: List[KVCache]) -> Tuple[mx.array, Optional[mx.array]]:
+        """What a draft tree ranks, without the full-vocabulary scatter of `__call__`: logits [1, B-1, N] over the
+        drafter's own vocabulary, and the target id of each column (None: the columns are the target's ids)."""
+        logits = self.draft_logits(self.hidden_states(block_ids, cache))
+        if "lm_head" not in self:
+            return logits, None
+        return logits, mx.arange(logits.shape[-1], dtype=mx.int32) + self.d2t
 
     def hidden_states(self, block_ids: mx.array, cache: List[KVCache]) -> mx.array:
         """Final-normed hidden states [1, B-1, H] of block slots 1..B-1 (arguments as in `__call__`)."""

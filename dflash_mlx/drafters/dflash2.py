@@ -191,6 +191,8 @@ class SelectorWalk:
 class DFlash2Drafter(DFlashDrafter):
     """DFlash 2 drafter. Drafts through `draft_walk` (the engine) or `greedy_draft`; bind it before drafting."""
 
+    tree_logits = None  # its rows depend on the previous draft (the candidate selector): no draft trees
+
     def __init__(self, config: DFlash2Config):
         super().__init__(config)
         self.layers = [DFlash2Layer(config, t == "sliding_attention") for t in config.layer_types]

@@ -100,6 +100,8 @@ class DSparkWalk:
 class DSparkDrafter(DFlashDrafter):
     """DSpark drafter. Bind it (`bind`) only when it borrows the target's embedding or head (see the config)."""
 
+    tree_logits = None  # its slots' logits depend on the previous draft (the Markov head): no draft trees
+
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         H = config.hidden_size

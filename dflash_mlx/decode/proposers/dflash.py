@@ -113,6 +113,11 @@ class DFlashProposer(Proposer):
         if not self.grows_trees(acceptor):
             return None
         flushed, block_ids = self._block(state, min(width, self.drafter.block_size))
+        own_vocabulary = getattr(self.drafter, "tree_logits", None)
+        if own_vocabulary is not None and isinstance(acceptor, GreedyAcceptor):
+            # Ranked over the drafter's own vocabulary: the same tree, without the full-vocabulary logits.
+            logits, columns = own_vocabulary(block_ids, state.draft_cache)
+            return replace(propose_tree(logits[0], acceptor, budget, columns), flushed=flushed)
         logits = self.drafter(block_ids, state.draft_cache)[0]
         proposal = propose_tree(logits, acceptor, budget)
         if proposal is None:
