@@ -233,23 +233,33 @@ def test_a_reply_streams_with_origin_marks_that_match_the_server(server, browser
     assert [u for u in urls if not (u.startswith(server.base + "/") or u.startswith("data:"))] == []
 
 
-def test_esc_stops_the_reply_and_the_server_goes_idle(server, browser):
+def _start_a_long_reply(server, browser) -> float:
+    """Open the page and start a reply that cannot end before the page stops it, however fast the engine and
+    however slow the page (a tiny model's looping text is copied 32 tokens a pass); return once tokens show, with
+    the server's count of cancelled generations from before."""
     _open(browser, server.base)
-    # A reply that cannot end before the page stops it, however fast the engine and however slow the page (a
-    # tiny model's looping text is copied 32 tokens a pass): only Esc ends it.
     _set(browser, "max-tokens", LONG_REPLY)
     cancelled = server.metric("dflash_generations_cancelled_total")
     _send(browser, "Tell me a very long story.")
-    _wait(browser, 
+    _wait(browser,
         lambda d: int(d.find_element(By.CSS_SELECTOR, "article.assistant .stats").get_attribute("data-target")) > 0)
+    return cancelled
+
+
+def _server_goes_idle(server, cancelled: float, why: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while server.health()["running"] or server.health()["waiting"]:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.1)
+    assert server.metric("dflash_generations_cancelled_total") == cancelled + 1
+
+
+def test_esc_stops_the_reply_and_the_server_goes_idle(server, browser):
+    cancelled = _start_a_long_reply(server, browser)
     assert server.health()["running"] == 1
     browser.find_element(By.ID, "input").send_keys(Keys.ESCAPE)
     _wait(browser, _done)
-    deadline = time.monotonic() + WAIT
-    while server.health()["running"] or server.health()["waiting"]:
-        assert time.monotonic() < deadline, "the server kept generating after the page stopped"
-        time.sleep(0.1)
-    assert server.metric("dflash_generations_cancelled_total") == cancelled + 1
+    _server_goes_idle(server, cancelled, "the server kept generating after the page stopped")
     reply, shown = _last_reply(browser)
     assert reply["stopped"] and 0 < sum(shown.values()) < LONG_REPLY
     assert browser.find_element(By.CSS_SELECTOR, "article.assistant .stopped").text == "stopped"
@@ -257,12 +267,7 @@ def test_esc_stops_the_reply_and_the_server_goes_idle(server, browser):
 
 def test_a_reload_while_streaming_keeps_what_had_arrived(server, browser):
     """Reloading the page mid-reply keeps the reply so far, marked "interrupted"; the server stops generating it."""
-    _open(browser, server.base)
-    _set(browser, "max-tokens", LONG_REPLY)
-    cancelled = server.metric("dflash_generations_cancelled_total")
-    _send(browser, "Tell me a very long story.")
-    _wait(browser,
-        lambda d: int(d.find_element(By.CSS_SELECTOR, "article.assistant .stats").get_attribute("data-target")) > 0)
+    cancelled = _start_a_long_reply(server, browser)
     browser.refresh()
     _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "article.assistant .stopped"))
     reply, shown = _last_reply(browser)
@@ -270,11 +275,7 @@ def test_a_reload_while_streaming_keeps_what_had_arrived(server, browser):
     assert reply["content"] and 0 < sum(shown.values()) < LONG_REPLY
     assert browser.find_element(By.CSS_SELECTOR, "article.assistant .stopped").text == "interrupted"
     assert not browser.find_elements(By.CSS_SELECTOR, "article.assistant.streaming")
-    deadline = time.monotonic() + WAIT
-    while server.health()["running"] or server.health()["waiting"]:
-        assert time.monotonic() < deadline, "the server kept generating after the page went away"
-        time.sleep(0.1)
-    assert server.metric("dflash_generations_cancelled_total") == cancelled + 1
+    _server_goes_idle(server, cancelled, "the server kept generating after the page went away")
 
 
 def test_shift_enter_is_a_new_line_and_the_page_fits_a_phone(server, browser):
