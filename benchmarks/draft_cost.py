@@ -9,6 +9,9 @@ holds it on CPU (float32), prefills a prompt, then times side by side in one pro
                        greedy path)
   + compiled MLPs      the same with each layer's MLP through mx.compile (the attention cannot be compiled as
                        is: its cache is no array, and its shapes change every cycle)
+  tree, full vocab     float32; a DDTree of B-1 nodes from the full target-vocabulary logits (the old tree path)
+  tree, own vocab      the same tree ranked over the drafter's own vocabulary (`tree_logits`, the engine's greedy
+                       tree path)
 Each draft also appends one committed token's features to the draft cache (and trims it), as every cycle does.
 
     python benchmarks/draft_cost.py [--model qwen2.5-coder-0.5b] [--blocks 4,8,16] [--reps 7]
@@ -28,6 +31,8 @@ import mlx.nn as nn
 from dflash_mlx import _blas
 from dflash_mlx.models import offline as models
 from dflash_mlx.api import load, prepare
+from dflash_mlx.decode.acceptance import GreedyAcceptor
+from dflash_mlx.decode.tree import propose_tree
 from dflash_mlx.drafters.io import load_drafter
 
 
@@ -102,11 +107,22 @@ def main() -> int:
             for layer, mlp in zip(fast.layers, plain_mlps):
                 layer.mlp = mlp
         return run
+    greedy = GreedyAcceptor()
+
+    def tree_full(b, c):
+        return propose_tree(fast(b, c)[0], greedy, b.shape[1] - 1).tokens
+
+    def tree_own(b, c):
+        logits, columns = fast.tree_logits(b, c)
+        return propose_tree(logits[0], greedy, b.shape[1] - 1, columns).tokens
+
     variants = {
         "quantized, full": drafting(stored, caches["stored"], full(stored)),
         "float32, full": drafting(fast, caches["fast"], full(fast)),
         "float32, draft-vocab": drafting(fast, caches["fast"], fast.greedy_draft),
         "+ compiled MLPs": with_mlps(compiled_mlps, drafting(fast, caches["fast"], fast.greedy_draft)),
+        "tree, full vocab": drafting(fast, caches["fast"], tree_full),
+        "tree, own vocab": drafting(fast, caches["fast"], tree_own),
     }
     print(f"BLAS: {_blas.status}")
     print(f"drafter as loaded: {fast.weights_form}")
