@@ -96,9 +96,23 @@ prepare() {  # install MLX from the carried wheels as soon as they have all arri
     cp -r "$HERE/convert" "$WORK/site/dflash_mlx/convert"
     cp -r "$HERE/metal" "$WORK/site/dflash_mlx/metal"
     stamp "installed in $(( $(date +%s) - t0 )) s"
+    : >"$WORK/env.sh"
+    if ! smoke; then  # the CUDA libraries may sit in the nvidia packages' folders, off the loader's path
+        local libs
+        libs=$("$PY" -c 'import glob, os, site; print(":".join(sorted(d for p in site.getsitepackages()
+for d in glob.glob(os.path.join(p, "nvidia", "*", "lib")))))')
+        echo "export LD_LIBRARY_PATH=$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" >"$WORK/env.sh"
+        stamp "retrying with the nvidia packages' libraries on LD_LIBRARY_PATH"
+        # shellcheck disable=SC1091
+        . "$WORK/env.sh"
+        smoke || { stamp "MLX does not start here"; exit 1; }
+    fi
+    touch "$WORK/prepared"
+}
+
+smoke() {  # MLX starts and multiplies on its default device
     (cd "$WORK" && "$PY" -c "import mlx.core as mx; a = mx.random.normal((2048, 2048)); mx.eval(a @ a); \
 print('mlx', mx.__version__, 'device', mx.default_device())")
-    touch "$WORK/prepared"
 }
 
 left() { echo $(( END - $(date +%s) )); }
@@ -117,6 +131,8 @@ main_job() {  # main: convert the target, place the drafter, then the figures, e
         [ "$(left)" -gt 60 ] || { stamp "prepare did not finish:"; cat "$WORK/prepare.log"; exit 1; }
         sleep 1
     done
+    # shellcheck disable=SC1091
+    [ -f "$WORK/env.sh" ] && . "$WORK/env.sh"  # what made MLX start in `prepare`, if anything
     joined "$MODEL.gguf" && joined drafter.safetensors
     mv -f "$IN/$MODEL.gguf" "$WORK/home/gguf/$MODEL.gguf"
     local target
