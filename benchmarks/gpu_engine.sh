@@ -82,8 +82,8 @@ joined() {  # joined NAME: join IN/NAME from its pieces once they are all there 
 prepare() {  # install MLX from the carried wheels as soon as they have all arrived; dflash-mlx beside them
     local t0 wheel
     t0=$(date +%s)
-    wheel=$(ls "$IN" | grep -E "^${BACKEND_WHEEL//-/_}-.*\.whl" | sed 's/\.manifest\.json$//; s/\.part[0-9]*$//' | head -1)
-    until joined "$wheel"; do
+    until wheel=$(ls "$IN" | grep -E "^${BACKEND_WHEEL//-/_}-.*\.whl" | sed 's/\.manifest\.json$//; s/\.part[0-9]*$//' \
+            | head -1) && [ -n "$wheel" ] && joined "$wheel"; do
         [ "$(date +%s)" -lt $((t0 + 600)) ] || { stamp "the $BACKEND_WHEEL wheel never arrived whole"; exit 1; }
         sleep 2
     done
