@@ -202,11 +202,13 @@ def pack(files, outdir, load_bytes: int, piece_bytes: int = 14 << 20, echo=None)
         raise CarryError(f"a piece ({piece_bytes} bytes) must fit in a load ({load_bytes} bytes)")
     if outdir.exists() and any(outdir.iterdir()):
         raise CarryError(f"{outdir} is not empty: pack into a new folder")
-    stage = outdir / ".stage"
-    items = []  # (path, size, manifest riding with it or None), in travel order
-    for f in map(Path, files):
+    files = [Path(f) for f in files]
+    for f in files:  # all checked before anything is written
         if not f.is_file():
             raise CarryError(f"{f}: no such file")
+    stage = outdir / ".stage"
+    items = []  # (path, size, manifest riding with it or None), in travel order
+    for f in files:
         if f.stat().st_size <= piece_bytes:
             items.append((f, f.stat().st_size, None))
             continue
